@@ -1,0 +1,655 @@
+"""What every strategy script shares: the command line, the data, the model, the training loop.
+
+A strategy script builds a `Strategy` (its device, its rank, and how it runs backward, steps the
+optimizer, averages a loss and gathers predictions across processes), wraps the model its own way,
+and hands both to `Trainer`. Nothing in this file knows which strategy is running.
+"""
+import argparse
+import collections
+import contextlib
+import json
+import os
+import random
+import resource
+import shutil
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from sklearn.metrics import accuracy_score, classification_report, f1_score
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent
+LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
+HUB_MODEL_ID = "hfl/chinese-bert-wwm-ext"
+LOCAL_MODEL_DIR = ROOT / "model_hub" / "chinese-bert-wwm-ext"
+DEFAULT_LR = {"tiny": 1e-3, "pretrained": 3e-5}
+# Tests inject a crash with "RANK:STEP" to check that a failing rank ends the whole job.
+FAIL_AT_ENV = "SUITE_FAIL_AT"
+
+transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad data, missing model, wrong launch): reported in one line."""
+
+
+def run(main):
+    """Run `main()`, turning failures into one clear line on stderr and a non-zero exit."""
+    rank = current_rank()
+    try:
+        main()
+    except UserError as error:
+        if rank == 0 or not is_same_on_all_ranks(error):
+            print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"rank {rank}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as error:
+        traceback.print_exc()
+        print(f"error: rank {rank} failed: {type(error).__name__}: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def is_same_on_all_ranks(error):
+    # Input errors are found by every rank alike; rank 0 speaks for all of them.
+    return getattr(error, "same_on_all_ranks", True)
+
+
+def current_rank():
+    for name in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+# ----------------------------------------------------------------------------- command line
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show each option's default and keep the script's docstring as written."""
+
+
+def build_parser(script_file, description):
+    """The options every script accepts; scripts add their own with `parser.add_argument`."""
+    stem = Path(script_file).stem
+    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    parser.add_argument("--model", default="auto",
+                        help="'auto' (local weights, else the hub, else tiny), 'tiny', a folder or a hub id")
+    parser.add_argument("--data", default=str(ROOT / "data" / "train.json"), help="JSON list of [text, label]")
+    parser.add_argument("--max-samples", type=int, default=10000, help="use the first N records")
+    parser.add_argument("--dev-ratio", type=float, default=0.08, help="share of samples held out for dev")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"default {DEFAULT_LR['tiny']} for the tiny model, {DEFAULT_LR['pretrained']} otherwise")
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--max-seq-len", type=int, default=128, help="longer texts are truncated")
+    parser.add_argument("--seed", type=int, default=123)
+    parser.add_argument("--log-steps", type=int, default=50, help="print the training loss every N steps")
+    parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps; 0 = only at the end")
+    parser.add_argument("--output-dir", default=str(ROOT / "output" / stem))
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                        help="batch texts of similar length together: 2x faster here, same accuracy "
+                             "(benchmarks/pipeline.py)")
+    parser.add_argument("--no-shuffle", action="store_true", help="keep the training order fixed")
+    parser.add_argument("--dropout", type=float, default=None, help="override the model's dropout probabilities")
+    return parser
+
+
+def add_distributed_args(parser):
+    """Options of the scripts that run several processes."""
+    parser.add_argument("--dist-timeout", type=float, default=300,
+                        help="seconds a collective call may wait for the other processes before failing")
+
+
+def check_args(args):
+    if args.max_samples < 2:
+        raise UserError(f"--max-samples must be at least 2, got {args.max_samples}")
+    if not 0 < args.dev_ratio < 1:
+        raise UserError(f"--dev-ratio must be between 0 and 1, got {args.dev_ratio}")
+    for name in ("epochs", "batch_size", "max_seq_len", "log_steps"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def set_seed(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(choice, local_rank=0):
+    """`auto` picks this process's GPU when there is one, else the CPU."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but torch sees no CUDA GPU")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
+                        "start at most that many processes per machine")
+    return torch.device("cuda", local_rank)
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_records(path):
+    """Read and check the [text, label] records; texts come word-segmented and are joined back."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"data file not found: {path}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(raw, list):
+        raise UserError(f"{path} must hold a JSON list of [text, label] records, found {type(raw).__name__}")
+    records = []
+    for index, record in enumerate(raw):
+        if not (isinstance(record, list) and len(record) == 2 and isinstance(record[0], str)):
+            raise UserError(f"{path}: record {index} is not [text, label]: {str(record)[:80]}")
+        text, label = "".join(record[0].split()), record[1]
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(LABELS):
+            raise UserError(f"{path}: record {index} has label {label!r}; labels are integers 0-{len(LABELS) - 1}")
+        if not text:
+            raise UserError(f"{path}: record {index} has an empty text")
+        records.append((text, label))
+    return records
+
+
+def split_records(records, max_samples, dev_ratio, seed):
+    """Take the first `max_samples`, shuffle them with `seed`, hold out `dev_ratio` for dev.
+
+    Depends on nothing but these arguments, so every strategy and process count trains and
+    evaluates on exactly the same samples.
+    """
+    if max_samples > len(records):
+        raise UserError(f"--max-samples {max_samples} asks for more records than the data has ({len(records)})")
+    samples = records[:max_samples]
+    random.Random(seed).shuffle(samples)
+    dev_size = round(len(samples) * dev_ratio)
+    if dev_size == 0 or dev_size == len(samples):
+        raise UserError(f"--dev-ratio {dev_ratio} of {len(samples)} samples leaves an empty train or dev set")
+    return samples[dev_size:], samples[:dev_size]
+
+
+class EncodedDataset(Dataset):
+    """Token ids computed once, up front: no tokenizer work in the training loop or per epoch."""
+
+    def __init__(self, records, tokenizer, max_seq_len):
+        texts = [text for text, _ in records]
+        self.input_ids = tokenizer(texts, truncation=True, max_length=max_seq_len)["input_ids"]
+        self.labels = [label for _, label in records]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return index, self.input_ids[index], self.labels[index]
+
+
+class PadToLongest:
+    """Collate a batch padded to its own longest text, not to --max-seq-len: most texts are short."""
+
+    def __init__(self, pad_id):
+        self.pad_id = pad_id
+
+    def __call__(self, batch):
+        indices, sequences, labels = zip(*batch)
+        longest = max(len(ids) for ids in sequences)
+        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, ids in enumerate(sequences):
+            input_ids[row, :len(ids)] = torch.tensor(ids)
+            attention_mask[row, :len(ids)] = 1
+        return {"index": torch.tensor(indices), "input_ids": input_ids,
+                "attention_mask": attention_mask, "labels": torch.tensor(labels)}
+
+
+class LengthGroupedSampler(DistributedSampler):
+    """DistributedSampler whose global batches hold texts of similar length.
+
+    Each epoch: shuffle, cut into chunks of 50 global batches, sort each chunk by length, then
+    shuffle the order of the global batches. Every process then takes its share of each global
+    batch as DistributedSampler does, so sharding works unchanged.
+    """
+
+    def __init__(self, dataset, global_batch_size, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.lengths = [len(ids) for ids in dataset.input_ids]
+        self.global_batch_size = global_batch_size
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        chunk = 50 * self.global_batch_size
+        order = [i for start in range(0, len(order), chunk)
+                 for i in sorted(order[start:start + chunk], key=self.lengths.__getitem__, reverse=True)]
+        batches = [order[i:i + self.global_batch_size] for i in range(0, len(order), self.global_batch_size)]
+        shuffled = torch.randperm(len(batches), generator=generator).tolist()
+        order = [i for b in shuffled for i in batches[b]]
+        order += order[:self.total_size - len(order)]
+        return iter(order[self.rank:self.total_size:self.num_replicas])
+
+
+def train_sampler(dataset, args, num_replicas=1, rank=0):
+    """The training sampler: this process's share of a shuffled (or fixed) order, reshuffled per epoch."""
+    if args.group_by_length and not args.no_shuffle:
+        return LengthGroupedSampler(dataset, args.batch_size * num_replicas,
+                                    num_replicas=num_replicas, rank=rank, seed=args.seed)
+    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
+                              shuffle=not args.no_shuffle, seed=args.seed)
+
+
+def eval_sampler(dataset, num_replicas=1, rank=0):
+    """Dev samples in order, split over processes; the last shard is padded with repeats, which the
+    Trainer drops again by sample index."""
+    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+
+
+def make_loader(dataset, args, tokenizer, sampler):
+    return DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                      collate_fn=PadToLongest(tokenizer.pad_token_id), num_workers=args.num_workers,
+                      pin_memory=torch.cuda.is_available())
+
+
+# ----------------------------------------------------------------------------- model
+
+def resolve_model(choice):
+    """Turn --model into 'tiny', a local folder or a hub id; 'auto' falls back step by step."""
+    if choice != "auto":
+        return choice
+    if LOCAL_MODEL_DIR.is_dir():
+        return str(LOCAL_MODEL_DIR)
+    if hub_has(HUB_MODEL_ID):
+        return HUB_MODEL_ID
+    banner = "=" * 78
+    print(f"{banner}\n No {LOCAL_MODEL_DIR.relative_to(ROOT)} and no reachable hub: using the TINY randomly"
+          f"\n initialised BERT. Figures measure the strategies, not Chinese BERT quality."
+          f"\n See model_hub/README.md to get {HUB_MODEL_ID}.\n{banner}", file=sys.stderr)
+    return "tiny"
+
+
+def hub_has(model_id):
+    """True when the hub model is cached locally or the hub answers within a few seconds."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return True
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = constants.ENDPOINT.split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def build_tiny_model(train_texts, seed, config_overrides):
+    """A 2-layer BERT (hidden 128) with a character vocabulary from the training texts.
+
+    Deterministic from the texts and the seed, built in a second, no download: what tests and
+    machines without the real weights use.
+    """
+    counts = collections.Counter(char for text in train_texts for char in text.lower())
+    chars = sorted(counts, key=lambda char: (-counts[char], char))
+    # BERT's tokenizer splits Chinese into characters but keeps Latin words and digits whole,
+    # then cuts them into "##"-continued pieces: give every character both forms.
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + [f"##{char}" for char in chars]
+    tokenizer = transformers.BertTokenizer(vocab={token: i for i, token in enumerate(vocab)})
+    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=128, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=512, max_position_embeddings=512,
+                                     **config_overrides)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.BertForSequenceClassification(config)
+    return tokenizer, model
+
+
+def load_model(args, train_texts):
+    """Return (tokenizer, model, model name, learning rate) for --model, with the 6 emotion labels."""
+    name = resolve_model(args.model)
+    overrides = {"num_labels": len(LABELS), "id2label": dict(enumerate(LABELS)),
+                 "label2id": {label: i for i, label in enumerate(LABELS)}}
+    if args.dropout is not None:
+        overrides.update(hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
+                         classifier_dropout=args.dropout)
+    if name == "tiny":
+        tokenizer, model = build_tiny_model(train_texts, args.seed, overrides)
+    else:
+        tokenizer, model = load_pretrained(name, args.seed, overrides)
+    max_positions = model.config.max_position_embeddings
+    if args.max_seq_len > max_positions:
+        raise UserError(f"--max-seq-len {args.max_seq_len} exceeds the model's {max_positions} positions")
+    lr = args.lr if args.lr is not None else DEFAULT_LR["tiny" if name == "tiny" else "pretrained"]
+    return tokenizer, model, name, lr
+
+
+def load_pretrained(name, seed, overrides):
+    if not Path(name).is_dir() and (name.startswith((".", "/")) or name.count("/") != 1):
+        raise UserError(f"model not found: {name} is neither a folder nor a hub id like {HUB_MODEL_ID}")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)  # the new classification head starts the same in every process
+            model = transformers.AutoModelForSequenceClassification.from_pretrained(name, **overrides)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"could not load model {name}: {first_line}") from None
+    return tokenizer, model
+
+
+def make_optimizer(model, lr, weight_decay):
+    """AdamW without weight decay on biases and LayerNorm weights, as BERT was trained."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if param.ndim < 2 else decay).append(param)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
+# ----------------------------------------------------------------------------- strategy
+
+class Strategy:
+    """How one process trains: the defaults are a single device. Scripts override what differs."""
+
+    name = "single-device"
+    launcher = "python"
+
+    def __init__(self, device, rank=0, world_size=1, precision="fp32"):
+        self.device, self.rank, self.world_size, self.precision = device, rank, world_size, precision
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self, model, optimizer):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def reduce_mean(self, tensor):
+        """The average of `tensor` over all processes (for logging only)."""
+        return tensor
+
+    def gather(self, tensor):
+        """`tensor` from every process, concatenated along dim 0 (same shape on every process)."""
+        return tensor
+
+    def unwrap(self, model):
+        return model
+
+    def save_model(self, model, tokenizer, path):
+        if self.is_main:
+            save_model(self.unwrap(model), tokenizer, path)
+
+    def versions(self):
+        """Versions of the strategy's own libraries, for the result file."""
+        return {}
+
+
+class TorchDistributed(Strategy):
+    """Logging and evaluation collectives over torch.distributed (DDP and DeepSpeed use it)."""
+
+    def __init__(self, device, rank, world_size, local_world_size, precision="fp32"):
+        super().__init__(device, rank, world_size, precision)
+        if device.type == "cpu":
+            share_cpu_cores(local_world_size)
+
+    def reduce_mean(self, tensor):
+        # SUM then divide by the world size: ReduceOp.AVG exists only on NCCL.
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor / self.world_size
+
+    def gather(self, tensor):
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+
+def backend_for(device):
+    """NCCL between GPUs, Gloo between CPU processes: the only difference between the two paths."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def share_cpu_cores(processes_on_this_machine):
+    """Give each CPU process its share of the cores. More threads than cores make PyTorch's
+    threads wait on each other: two 2-thread processes on 2 cores run many times slower."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_on_this_machine))
+
+
+# ----------------------------------------------------------------------------- training
+
+class Trainer:
+    """The train / evaluate / save loop every strategy runs."""
+
+    def __init__(self, args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr):
+        self.args, self.strategy, self.model, self.optimizer = args, strategy, model, optimizer
+        self.tokenizer, self.train_loader, self.dev_loader = tokenizer, train_loader, dev_loader
+        self.model_name, self.lr = model_name, lr
+        self.output_dir = Path(args.output_dir)
+
+    def log(self, message):
+        if self.strategy.is_main:
+            tqdm.write(message)
+
+    def to_device(self, batch):
+        return {key: value.to(self.strategy.device, non_blocking=True) for key, value in batch.items()}
+
+    def forward(self, batch):
+        """Logits and the mean loss over this process's batch (computed here, not inside the model,
+        so that every strategy averages the same way)."""
+        with self.strategy.autocast():
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return logits, F.cross_entropy(logits.float(), batch["labels"])
+
+    def fit(self):
+        args, strategy = self.args, self.strategy
+        steps_per_epoch = len(self.train_loader)
+        total_steps = steps_per_epoch * args.epochs
+        fail_rank, fail_step = parse_fail_at(os.environ.get(FAIL_AT_ENV))
+        self.log(f"model: {self.model_name} | learning rate: {self.lr:g} | processes: {strategy.world_size} | "
+                 f"global batch: {args.batch_size * strategy.world_size} | "
+                 f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)}")
+        progress = tqdm(total=total_steps, disable=not strategy.is_main, mininterval=1, dynamic_ncols=True)
+        step, eval_seconds = 0, 0.0
+        loss_sum = torch.zeros((), device=strategy.device)
+        losses_summed, last_loss = 0, float("nan")
+        synchronize(strategy.device)
+        start = time.perf_counter()
+        for epoch in range(1, args.epochs + 1):
+            self.train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
+            self.model.train()
+            for batch in self.train_loader:
+                batch = self.to_device(batch)
+                _, loss = self.forward(batch)
+                strategy.backward(loss)
+                strategy.step(self.model, self.optimizer)
+                step += 1
+                if step == fail_step and strategy.rank == fail_rank:
+                    raise RuntimeError(f"failure injected by {FAIL_AT_ENV} at step {step}")
+                loss_sum += loss.detach()
+                losses_summed += 1
+                progress.update()
+                if step % args.log_steps == 0 or step == total_steps:
+                    # The only host sync of a step, and only on logging steps.
+                    last_loss = strategy.reduce_mean(loss_sum / losses_summed).item()
+                    loss_sum.zero_()
+                    losses_summed = 0
+                    self.log(f"【train】 epoch：{epoch}/{args.epochs} step：{step}/{total_steps} loss：{last_loss:.6f}")
+                if args.eval_steps and step % args.eval_steps == 0 and step != total_steps:
+                    eval_start = time.perf_counter()
+                    metrics = self.evaluate()
+                    self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
+                    self.model.train()
+                    eval_seconds += time.perf_counter() - eval_start
+        synchronize(strategy.device)
+        train_seconds = time.perf_counter() - start - eval_seconds
+        progress.close()
+
+        metrics = self.evaluate()
+        strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
+        result = self.result(train_seconds, step, last_loss, metrics)
+        if strategy.is_main:
+            self.report(result, metrics)
+            write_json(self.output_dir / "result.json", result)
+        return result
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Dev metrics over every dev sample exactly once, whatever the number of processes."""
+        self.model.eval()
+        indices, predictions, labels, losses = [], [], [], []
+        for batch in self.dev_loader:
+            batch = self.to_device(batch)
+            logits, _ = self.forward(batch)
+            indices.append(batch["index"])
+            predictions.append(logits.argmax(dim=-1))
+            labels.append(batch["labels"])
+            losses.append(F.cross_entropy(logits.float(), batch["labels"], reduction="none"))
+        gathered = [self.strategy.gather(torch.cat(part)).cpu().numpy()
+                    for part in (indices, predictions, labels, losses)]
+        # Samplers pad the last shard with repeated samples; keep each dev sample once.
+        _, first = np.unique(gathered[0], return_index=True)
+        _, predictions, labels, losses = (part[first] for part in gathered)
+        if len(first) != len(self.dev_loader.dataset):
+            raise RuntimeError(f"evaluated {len(first)} of {len(self.dev_loader.dataset)} dev samples")
+        return {"samples": len(first), "loss": float(losses.mean()),
+                "accuracy": float(accuracy_score(labels, predictions)),
+                "macro_f1": float(f1_score(labels, predictions, average="macro", labels=range(len(LABELS)),
+                                           zero_division=0)),
+                "report": classification_report(labels, predictions, labels=range(len(LABELS)),
+                                                target_names=LABELS, digits=4, zero_division=0)}
+
+    def result(self, train_seconds, steps, last_loss, metrics):
+        args, strategy = self.args, self.strategy
+        train_samples = len(self.train_loader.dataset) * args.epochs
+        return {
+            "strategy": strategy.name,
+            "launcher": strategy.launcher,
+            "world_size": strategy.world_size,
+            "device": device_description(strategy.device),
+            "model": self.model_name,
+            "precision": strategy.precision,
+            "batch_size_per_process": args.batch_size,
+            "global_batch_size": args.batch_size * strategy.world_size,
+            "epochs": args.epochs,
+            "steps": steps,
+            "learning_rate": self.lr,
+            "train_samples": len(self.train_loader.dataset),
+            "train_seconds": round(train_seconds, 3),
+            "samples_per_second": round(train_samples / train_seconds, 2),
+            "peak_memory_mb": round(peak_memory_mb(strategy.device), 1),
+            "final_train_loss": last_loss,
+            "dev_loss": metrics["loss"],
+            "dev_accuracy": metrics["accuracy"],
+            "dev_macro_f1": metrics["macro_f1"],
+            "dev_samples": metrics["samples"],
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                         "transformers": transformers.__version__, **strategy.versions()},
+        }
+
+    def report(self, result, metrics):
+        print(f"【dev】 loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f} "
+              f"macro-F1：{metrics['macro_f1']:.4f}")
+        print(metrics["report"])
+        print(f"耗时：{result['train_seconds'] / 60:.2f}分钟")
+        print(f"strategy {result['strategy']} ({result['launcher']}, {result['world_size']} process(es), "
+              f"{result['device']}, {result['precision']}) | model {result['model']}")
+        print(f"training loop only: {result['train_seconds']:.1f} s, {result['samples_per_second']:.1f} samples/s, "
+              f"peak memory {result['peak_memory_mb']:.0f} MB (rank 0)")
+        print(f"dev: {result['dev_samples']} samples, accuracy {result['dev_accuracy']:.4f}, "
+              f"macro-F1 {result['dev_macro_f1']:.4f}, loss {result['dev_loss']:.4f}")
+        print(f"saved: {self.output_dir / 'model'} and {self.output_dir / 'result.json'}")
+
+
+def parse_fail_at(value):
+    if not value:
+        return None, None
+    rank, step = value.split(":")
+    return int(rank), int(step)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_description(device):
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
+def peak_memory_mb(device):
+    """Peak GPU memory allocated by torch on CUDA; peak resident memory of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ----------------------------------------------------------------------------- saving
+
+def save_model(model, tokenizer, path):
+    """Write a portable model folder (safetensors, config, tokenizer) atomically: build it next to
+    `path`, then swap it in, so an interrupted run never leaves a half-written checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    replace_dir(staging, path)
+
+
+def replace_dir(new, path):
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if path.exists():
+        path.rename(old)
+    new.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json(path, data):
+    """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staging.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    os.replace(staging, path)
+
+
+def prepare_data(args):
+    """Load, split and encode the data and load the model for it.
+
+    Returns (train set, dev set, tokenizer, model, model name, learning rate).
+    """
+    records = load_records(args.data)
+    train_records, dev_records = split_records(records, args.max_samples, args.dev_ratio, args.seed)
+    tokenizer, model, model_name, lr = load_model(args, [text for text, _ in train_records])
+    train_set = EncodedDataset(train_records, tokenizer, args.max_seq_len)
+    dev_set = EncodedDataset(dev_records, tokenizer, args.max_seq_len)
+    return train_set, dev_set, tokenizer, model, model_name, lr

@@ -1,0 +1,83 @@
+"""Fine-tune Chinese BERT with DistributedDataParallel (DDP): one process per GPU, started by torchrun.
+
+    torchrun --nproc_per_node 2 multi-gpu-distributed-cls.py
+    python -m torch.distributed.launch --nproc_per_node 2 multi-gpu-distributed-cls.py   # legacy launcher
+
+    # two machines, 2 GPUs each (run on each; --node_rank 0 on the machine at MASTER_IP):
+    torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 --master_addr MASTER_IP --master_port 29500 \\
+        multi-gpu-distributed-cls.py
+
+Each process holds a full copy of the model and trains on its own shard of every batch; DDP
+averages the gradients across processes during backward, so all copies take the same step.
+Without GPUs the same code runs CPU processes that talk over gloo instead of NCCL.
+"""
+import argparse
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import common
+
+
+class DDP(common.TorchDistributed):
+    name = "ddp"
+    launcher = "torchrun"
+
+    def unwrap(self, model):
+        return model.module  # save the inner model: no "module." prefixes in the checkpoint
+
+
+def launch_info():
+    """The rank, world size and local rank torchrun (or torch.distributed.launch) gives each process."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise common.UserError("this script runs under a launcher: torchrun --nproc_per_node N "
+                               "multi-gpu-distributed-cls.py (see the README)")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+def main():
+    parser = common.build_parser(__file__, __doc__)
+    common.add_distributed_args(parser)
+    # 1. The legacy torch.distributed.launch passes --local-rank (older releases --local_rank);
+    #    torchrun passes nothing. Both set LOCAL_RANK in the environment, which is what we read.
+    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    args = common.check_args(parser.parse_args())
+    common.set_seed(args.seed)
+
+    # 2. The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
+    #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
+    rank, world_size, local_rank = launch_info()
+    device = common.resolve_device(args.device, local_rank)
+
+    # 3. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
+    try:
+        strategy = DDP(device, rank, world_size, local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+
+        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+        model.to(device)
+        # 4. DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
+        #    gradients during backward(), overlapping the communication with the computation.
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+        # 5. Each process reads a different 1/world_size of every global batch, so the global batch
+        #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
+        train_loader = common.make_loader(train_set, args, tokenizer,
+                                          common.train_sampler(train_set, args, world_size, rank))
+        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, world_size, rank))
+        optimizer = common.make_optimizer(model, lr, args.weight_decay)
+
+        trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
+        trainer.fit()
+    finally:
+        # 6. Leave the group on every exit path, failures included, so no process is left waiting.
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,69 @@
+"""Classify texts with a model saved by any script of this suite.
+
+    python predict.py --checkpoint output/single-gpu-cls/model 今天天气真好 气死我了
+    python predict.py --checkpoint output/multi-gpu-deepspeed-cls/model --file texts.txt
+
+Prints one line per text: the predicted emotion, its probability, and the text.
+"""
+import argparse
+from pathlib import Path
+
+import torch
+import transformers
+
+import common
+
+
+def load_checkpoint(path):
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise common.UserError(f"no saved model at {path} (expected the model/ folder a training run writes)")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise common.UserError(f"could not load the model at {path}: {error}") from None
+    return tokenizer, model.eval()
+
+
+def read_texts(args):
+    texts = list(args.texts)
+    if args.file:
+        path = Path(args.file)
+        if not path.is_file():
+            raise common.UserError(f"text file not found: {path}")
+        texts += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        raise common.UserError("no text to classify: give texts as arguments or --file")
+    return texts
+
+
+@torch.no_grad()
+def predict(tokenizer, model, texts, max_seq_len=128, batch_size=64):
+    """Return (label name, probability) for each text."""
+    results = []
+    for start in range(0, len(texts), batch_size):
+        batch = tokenizer(texts[start:start + batch_size], padding=True, truncation=True,
+                          max_length=max_seq_len, return_tensors="pt")
+        probabilities = model(**batch).logits.softmax(dim=-1)
+        best = probabilities.max(dim=-1)
+        results += [(model.config.id2label[int(i)], float(p)) for p, i in zip(best.values, best.indices)]
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a model/ folder written by a training script")
+    parser.add_argument("--file", help="a UTF-8 file with one text per line")
+    parser.add_argument("--max-seq-len", type=int, default=128)
+    parser.add_argument("texts", nargs="*", help="texts to classify")
+    args = parser.parse_args()
+
+    texts = read_texts(args)
+    tokenizer, model = load_checkpoint(args.checkpoint)
+    for text, (label, probability) in zip(texts, predict(tokenizer, model, texts, args.max_seq_len)):
+        print(f"{label}\t{probability:.4f}\t{text}")
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv with the pinned dependencies, once; later calls only check that it is up to date.
+# Sourced by run.sh and test.sh, so those two commands are all a fresh machine needs.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+venv=.venv
+stamp="$venv/.requirements.sha256"
+wanted=$(cat requirements.txt scripts/setup-env.sh scripts/build-horovod.sh | sha256sum | cut -d' ' -f1)
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+    echo "Installing the pinned dependencies into $venv ..."
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.txt
+    # Horovod is optional for every other strategy: a failed build is reported, not fatal.
+    if ! bash scripts/build-horovod.sh "$venv/bin/python"; then
+        echo "warning: Horovod is not installed; multi-gpu-horovod-cls.py will not run (see README)" >&2
+    fi
+    echo "$wanted" > "$stamp"
+fi

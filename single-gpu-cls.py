@@ -1,0 +1,32 @@
+"""Fine-tune Chinese BERT for Weibo emotion classification on one device: the baseline.
+
+    python single-gpu-cls.py                 # GPU 0 if there is one, else the CPU
+    python single-gpu-cls.py --model tiny    # the offline tiny BERT, a minute on a laptop CPU
+
+Every other script in this suite is this one plus its strategy's steps: compare them with
+`diff single-gpu-cls.py multi-gpu-distributed-cls.py`. Shared code lives in common.py.
+"""
+import common
+
+
+def main():
+    args = common.check_args(common.build_parser(__file__, __doc__).parse_args())
+    common.set_seed(args.seed)
+
+    # 1. One process on one device: no ranks, nothing to synchronise.
+    device = common.resolve_device(args.device)
+    strategy = common.Strategy(device)
+
+    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+    model.to(device)
+
+    train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))
+    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set))
+    optimizer = common.make_optimizer(model, lr, args.weight_decay)
+
+    trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
+    trainer.fit()
+
+
+if __name__ == "__main__":
+    common.run(main)

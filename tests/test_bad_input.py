@@ -1,0 +1,84 @@
+"""Bad input gets one clear line naming the problem and a non-zero exit, never a traceback."""
+import json
+
+import pytest
+
+from conftest import PYTHON, SMALL, run
+
+
+def train(*extra, data=None):
+    args = [PYTHON, "single-gpu-cls.py", *SMALL, *extra]
+    if data is not None:
+        args += ["--data", str(data)]
+    return run(args, check=False, timeout=120)
+
+
+def assert_clean_error(process, *fragments):
+    assert process.returncode != 0
+    lines = process.stderr.strip().splitlines()
+    assert "Traceback" not in process.stderr, process.stderr
+    assert lines and lines[-1].startswith("error: "), process.stderr
+    for fragment in fragments:
+        assert fragment in lines[-1], lines[-1]
+
+
+def write(tmp_path, content):
+    path = tmp_path / "data.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content, ensure_ascii=False),
+                    encoding="utf-8")
+    return path
+
+
+GOOD = [["今天 天气 真好", 5]] * 3
+
+
+@pytest.mark.parametrize("content, fragments", [
+    ("[[\"今天\", 1],", ["not valid JSON"]),
+    ({"text": "x"}, ["JSON list"]),
+    (GOOD + [["只有 文本"]], ["record 3", "not [text, label]"]),
+    (GOOD + [[5, "今天"]], ["record 3", "not [text, label]"]),
+    (GOOD + [["今天", 6]], ["record 3", "label 6"]),
+    (GOOD + [["今天", "2"]], ["record 3", "label '2'"]),
+    (GOOD + [[" \n", 2]], ["record 3", "empty text"]),
+])
+def test_malformed_data_is_named_with_its_record(tmp_path, content, fragments):
+    path = write(tmp_path, content)
+    assert_clean_error(train(data=path), str(path), *fragments)
+
+
+def test_missing_data_file(tmp_path):
+    assert_clean_error(train(data=tmp_path / "nope.json"), "data file not found", "nope.json")
+
+
+def test_more_samples_than_the_data_has(tmp_path):
+    path = write(tmp_path, GOOD * 10)
+    assert_clean_error(train(data=path), "--max-samples 400", "(30)")
+
+
+def test_missing_model_folder(tmp_path):
+    assert_clean_error(train("--model", str(tmp_path / "no-model")), "model not found", "no-model")
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    assert_clean_error(train("--model", str(tmp_path)), "could not load model", str(tmp_path))
+
+
+def test_bad_option_value():
+    assert_clean_error(train("--batch-size", "0"), "--batch-size must be at least 1")
+
+
+def test_cuda_asked_for_on_a_machine_without_it():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    assert_clean_error(train("--device", "cuda"), "--device cuda")
+
+
+def test_predict_with_a_missing_checkpoint(tmp_path):
+    process = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path / "model"), "你好"], check=False)
+    assert_clean_error(process, "no saved model", str(tmp_path / "model"))
+
+
+def test_predict_with_no_text(tmp_path):
+    process = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path)], check=False)
+    assert_clean_error(process, "no text to classify")
