@@ -7,11 +7,13 @@ and hands both to `Trainer`. Nothing in this file knows which strategy is runnin
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import os
 import random
 import resource
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -49,6 +51,8 @@ class UserError(Exception):
 def run(main):
     """Run `main()`, turning failures into one clear line on stderr and a non-zero exit."""
     rank = current_rank()
+    # SIGTERM (a scheduler or launcher stopping the job) unwinds like Ctrl-C: cleanup code runs.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         main()
     except UserError as error:
@@ -108,6 +112,10 @@ def build_parser(script_file, description):
                              "(benchmarks/pipeline.py)")
     parser.add_argument("--no-shuffle", action="store_true", help="keep the training order fixed")
     parser.add_argument("--dropout", type=float, default=None, help="override the model's dropout probabilities")
+    parser.add_argument("--save-steps", type=int, default=0,
+                        help="save a training checkpoint (for --resume) every N steps; 0 = never")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the training checkpoint in --output-dir, if there is one")
     return parser
 
 
@@ -120,6 +128,8 @@ def add_distributed_args(parser):
 def check_args(args):
     if args.max_samples < 2:
         raise UserError(f"--max-samples must be at least 2, got {args.max_samples}")
+    if args.save_steps < 0:
+        raise UserError(f"--save-steps must be 0 or more, got {args.save_steps}")
     if not 0 < args.dev_ratio < 1:
         raise UserError(f"--dev-ratio must be between 0 and 1, got {args.dev_ratio}")
     for name in ("epochs", "batch_size", "max_seq_len", "log_steps"):
@@ -247,10 +257,14 @@ class LengthGroupedSampler(DistributedSampler):
         return iter(order[self.rank:self.total_size:self.num_replicas])
 
 
-def train_sampler(dataset, args, num_replicas=1, rank=0):
-    """The training sampler: this process's share of a shuffled (or fixed) order, reshuffled per epoch."""
+def train_sampler(dataset, args, num_replicas=1, rank=0, global_batch_size=None):
+    """The training sampler: this process's share of a shuffled (or fixed) order, reshuffled per epoch.
+
+    `global_batch_size` (default: batch size x num_replicas) is the batch that length grouping
+    groups; a loader that a library shards afterwards (Accelerate) passes its own.
+    """
     if args.group_by_length and not args.no_shuffle:
-        return LengthGroupedSampler(dataset, args.batch_size * num_replicas,
+        return LengthGroupedSampler(dataset, global_batch_size or args.batch_size * num_replicas,
                                     num_replicas=num_replicas, rank=rank, seed=args.seed)
     return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
                               shuffle=not args.no_shuffle, seed=args.seed)
@@ -403,6 +417,20 @@ class Strategy:
         if self.is_main:
             save_model(self.unwrap(model), tokenizer, path)
 
+    def save_state(self, model, optimizer, step, path):
+        """Save what --resume needs: weights, optimizer moments and the step reached."""
+        if self.is_main:
+            state = {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            with staged_dir(path) as staging:
+                torch.save(state, staging / "training_state.pt")
+
+    def load_state(self, model, optimizer, path):
+        """Restore a `save_state` checkpoint in every process; returns the step to continue from."""
+        state = torch.load(Path(path) / "training_state.pt", map_location=self.device)
+        self.unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return state["step"]
+
     def versions(self):
         """Versions of the strategy's own libraries, for the result file."""
         return {}
@@ -466,23 +494,53 @@ class Trainer:
         return logits, F.cross_entropy(logits.float(), batch["labels"])
 
     def fit(self):
+        """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
+        self.log(f"model: {self.model_name} | learning rate: {self.lr:g} | processes: {self.strategy.world_size} | "
+                 f"global batch: {self.args.batch_size * self.strategy.world_size} | "
+                 f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)}")
+        first_step = self.resume_step()
+        train_seconds, step, last_loss = self.train(first_step)
+        metrics = self.evaluate()
+        self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
+        result = self.result(train_seconds, step, last_loss, metrics)
+        result["resumed_from_step"] = first_step
+        if self.strategy.is_main:
+            self.report(result, metrics)
+            write_json(self.output_dir / "result.json", result)
+        return result
+
+    def resume_step(self):
+        checkpoint = self.output_dir / "checkpoint"
+        if not self.args.resume:
+            return 0
+        if not checkpoint.is_dir():
+            self.log(f"--resume: no checkpoint in {checkpoint}, starting from step 0")
+            return 0
+        step = self.strategy.load_state(self.model, self.optimizer, checkpoint)
+        self.log(f"--resume: continuing from step {step} ({checkpoint})")
+        return step
+
+    def train(self, first_step=0):
+        """The training loop; returns (seconds, steps done, last logged loss)."""
         args, strategy = self.args, self.strategy
         steps_per_epoch = len(self.train_loader)
         total_steps = steps_per_epoch * args.epochs
         fail_rank, fail_step = parse_fail_at(os.environ.get(FAIL_AT_ENV))
-        self.log(f"model: {self.model_name} | learning rate: {self.lr:g} | processes: {strategy.world_size} | "
-                 f"global batch: {args.batch_size * strategy.world_size} | "
-                 f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)}")
-        progress = tqdm(total=total_steps, disable=not strategy.is_main, mininterval=1, dynamic_ncols=True)
-        step, eval_seconds = 0, 0.0
+        progress = tqdm(total=total_steps, initial=first_step, disable=not strategy.is_main, mininterval=1,
+                        dynamic_ncols=True)
+        step, eval_seconds = first_step, 0.0
         loss_sum = torch.zeros((), device=strategy.device)
         losses_summed, last_loss = 0, float("nan")
         synchronize(strategy.device)
         start = time.perf_counter()
-        for epoch in range(1, args.epochs + 1):
-            self.train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
+        for epoch in range(first_step // steps_per_epoch + 1, args.epochs + 1):
+            # A new shuffle each epoch, the same in every process. A loader prepared by Accelerate
+            # has its own set_epoch, which reaches the sampler it wraps.
+            (getattr(self.train_loader, "set_epoch", None) or self.train_loader.sampler.set_epoch)(epoch)
             self.model.train()
-            for batch in self.train_loader:
+            # On resume, pass over the batches the checkpoint has already trained on.
+            done_this_epoch = max(0, first_step - (epoch - 1) * steps_per_epoch)
+            for batch in itertools.islice(self.train_loader, done_this_epoch, None):
                 batch = self.to_device(batch)
                 _, loss = self.forward(batch)
                 strategy.backward(loss)
@@ -499,6 +557,8 @@ class Trainer:
                     loss_sum.zero_()
                     losses_summed = 0
                     self.log(f"【train】 epoch：{epoch}/{args.epochs} step：{step}/{total_steps} loss：{last_loss:.6f}")
+                if args.save_steps and step % args.save_steps == 0 and step != total_steps:
+                    strategy.save_state(self.model, self.optimizer, step, self.output_dir / "checkpoint")
                 if args.eval_steps and step % args.eval_steps == 0 and step != total_steps:
                     eval_start = time.perf_counter()
                     metrics = self.evaluate()
@@ -506,16 +566,8 @@ class Trainer:
                     self.model.train()
                     eval_seconds += time.perf_counter() - eval_start
         synchronize(strategy.device)
-        train_seconds = time.perf_counter() - start - eval_seconds
         progress.close()
-
-        metrics = self.evaluate()
-        strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
-        result = self.result(train_seconds, step, last_loss, metrics)
-        if strategy.is_main:
-            self.report(result, metrics)
-            write_json(self.output_dir / "result.json", result)
-        return result
+        return time.perf_counter() - start - eval_seconds, step, last_loss
 
     @torch.no_grad()
     def evaluate(self):
@@ -616,20 +668,29 @@ def peak_memory_mb(device):
 def save_model(model, tokenizer, path):
     """Write a portable model folder (safetensors, config, tokenizer) atomically: build it next to
     `path`, then swap it in, so an interrupted run never leaves a half-written checkpoint."""
+    with staged_dir(path) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+
+@contextlib.contextmanager
+def staged_dir(path):
+    """Yield an empty folder next to `path`; when the block succeeds it replaces `path`, when it
+    fails (or is interrupted) it is removed, and `path` keeps its previous contents."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    replace_dir(staging, path)
-
-
-def replace_dir(new, path):
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     old = path.with_name(f".{path.name}.old-{os.getpid()}")
     if path.exists():
         path.rename(old)
-    new.rename(path)
+    staging.rename(path)
     shutil.rmtree(old, ignore_errors=True)
 
 
