@@ -435,6 +435,10 @@ class Strategy:
         """Versions of the strategy's own libraries, for the result file."""
         return {}
 
+    def result_extras(self):
+        """The strategy's own entries for the result file (they may refine the common ones)."""
+        return {}
+
 
 class TorchDistributed(Strategy):
     """Logging and evaluation collectives over torch.distributed (DDP and DeepSpeed use it)."""
@@ -622,6 +626,7 @@ class Trainer:
             "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "transformers": transformers.__version__, **strategy.versions()},
+            **strategy.result_extras(),
         }
 
     def report(self, result, metrics):

@@ -1,0 +1,90 @@
+"""multi-gpu-accelerate-cls.py: 2 CPU processes over gloo, under accelerate launch and under torchrun."""
+import math
+
+import pytest
+
+from conftest import BIN, PYTHON, SMALL, assert_same_weights, load_weights, read_result, require, run
+
+SCRIPT = "multi-gpu-accelerate-cls.py"
+# --device cpu: the same gloo path on every machine, GPUs or not.
+CPU = [*SMALL, "--device", "cpu"]
+EQUIVALENCE = ["--no-shuffle", "--dropout", "0", "--batch-size", "16"]
+SHUFFLED = ["--dropout", "0", "--epochs", "2"]
+
+
+@pytest.fixture(autouse=True)
+def accelerate_installed():
+    require("accelerate")
+
+
+def accelerate_launch(*launch_options, script_options):
+    return run([BIN / "accelerate", "launch", *launch_options, SCRIPT, *CPU, *script_options], timeout=600)
+
+
+def assert_accelerate_result(result, launcher, global_batch):
+    assert result["strategy"] == "accelerate" and result["launcher"] == launcher
+    assert result["world_size"] == 2 and result["global_batch_size"] == global_batch
+    assert result["dev_samples"] == 80  # each dev sample counted once, not once per process
+    assert result["versions"]["accelerate"]
+
+
+@pytest.fixture(scope="module")
+def shuffled_run(tmp_path_factory):
+    """accelerate launch --multi_gpu, 2 processes, shuffling and length grouping on (the defaults)."""
+    require("accelerate")
+    output = tmp_path_factory.mktemp("accelerate")
+    process = accelerate_launch("--multi_gpu", "--num_processes", "2",
+                                script_options=[*SHUFFLED, "--output-dir", str(output)])
+    return process, output
+
+
+def test_accelerate_launch_shards_the_data_and_logs_once(shuffled_run):
+    process, output = shuffled_run
+    assert "accelerate: MULTI_CPU, 2 process(es)" in process.stdout
+    result = read_result(output)
+    assert_accelerate_result(result, "accelerate launch", global_batch=64)
+    # 2 epochs of 10 batches of 32, shared by 2 processes: 10 steps. Unsharded, each process would take 20.
+    assert result["steps"] == 10 and result["precision"] == "fp32"
+    assert process.stdout.count("【train】 epoch：2/2 step：10/10 loss：") == 1  # only rank 0 logs
+    assert not any(key.startswith("module.") for key in load_weights(output / "model"))
+    assert sorted(p.name for p in output.iterdir()) == ["model", "result.json"]
+
+
+def test_accelerate_takes_the_same_shuffled_global_batches_as_ddp(shuffled_run, tmp_path):
+    """Accelerate shards the loaders its own way, yet each step trains on the same 64 samples as DDP's,
+    in each epoch's new order: the same weights."""
+    _, output = shuffled_run
+    run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", "multi-gpu-distributed-cls.py", *CPU,
+         *SHUFFLED, "--output-dir", str(tmp_path)], timeout=600)
+    assert_same_weights(tmp_path / "model", output / "model")
+
+
+def test_config_file_launch_equals_one_device_at_the_same_global_batch(tmp_path, single_reference):
+    """2 processes x 16 with averaged gradients take the same steps as 1 process x 32."""
+    accelerate_launch("--config_file", "configs/accelerate/multi-gpu.yaml",
+                      script_options=[*EQUIVALENCE, "--output-dir", str(tmp_path)])
+    result = read_result(tmp_path)
+    assert_accelerate_result(result, "accelerate launch", global_batch=32)
+    assert result["steps"] == read_result(single_reference)["steps"] == 10
+    assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_bf16_under_torchrun_trains_like_fp32(tmp_path, single_reference):
+    run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", SCRIPT, *CPU, *EQUIVALENCE,
+         "--mixed-precision", "bf16", "--output-dir", str(tmp_path)], timeout=600)
+    result = read_result(tmp_path)
+    assert_accelerate_result(result, "torchrun", global_batch=32)
+    assert result["precision"] == "bf16"
+    # bf16 really ran: the weights are not the fp32 run's to float tolerance...
+    with pytest.raises(AssertionError, match="largest weight difference"):
+        assert_same_weights(single_reference / "model", tmp_path / "model")
+    # ...yet it learned as much: the untrained model's dev loss is ln 6 (uniform over 6 labels).
+    assert result["dev_loss"] < math.log(6) - 0.03
+    assert abs(result["dev_loss"] - read_result(single_reference)["dev_loss"]) < 0.01
+
+
+def test_fp16_on_cpu_is_refused_rather_than_run_in_fp32(tmp_path):
+    process = run([PYTHON, SCRIPT, *CPU, "--mixed-precision", "fp16", "--output-dir", str(tmp_path)],
+                  check=False, timeout=120)
+    assert process.returncode == 2
+    assert process.stderr.strip().splitlines()[-1].startswith("error: fp16 mixed precision needs a GPU")
