@@ -3,42 +3,78 @@
 #
 # Horovod 0.28.1 ships only as a source distribution whose CMake files ask for C++14, while the
 # headers of torch >= 2.1 need C++17. We download the sdist, raise the standard to 17, and build a
-# wheel with Gloo (CPU) and, for a CUDA build of torch with a CUDA toolkit (nvcc), NCCL operations.
-# The wheel is cached per torch version, so later installs take seconds instead of ~10 minutes.
+# wheel with Gloo (CPU processes, and the controller everywhere) plus, for a CUDA build of torch
+# on a machine with the CUDA toolkit (nvcc), NCCL operations for GPU tensors. The wheel is cached
+# per Horovod, torch and Python version and GPU support, so later installs take seconds instead
+# of ~10 minutes (2 cores).
 #
 # Usage: scripts/build-horovod.sh PYTHON   (the virtual environment's python, torch installed)
+# Environment: HOROVOD_WHEEL_CACHE   where the wheel is kept (default ~/.cache/distributed-nlp-suite/...)
+#              HOROVOD_NCCL_HOME     NCCL's folder when it is not beside the CUDA toolkit
 set -euo pipefail
 
 python=${1:?usage: build-horovod.sh PYTHON}
 version=0.28.1
-torch_version=$("$python" -c 'import torch; print(torch.__version__.replace("+", "_"))')
-cache=${HOROVOD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/distributed-nlp-suite/horovod-$version-torch-$torch_version}
+fail() { echo "error: $*" >&2; exit 1; }
+
+torch_version=$("$python" -c 'import torch; print(torch.__version__.replace("+", "_"))' 2>/dev/null) \
+    || fail "$python cannot import torch: install requirements.txt first"
+python_tag=$("$python" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
+
+# GPU tensors need NCCL operations compiled in; without them Horovod copies every GPU gradient to
+# the CPU and reduces it there (what made the reference tutorial's Horovod run slow, see README).
+gpu_operations=
+if "$python" -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then
+    if command -v nvcc >/dev/null; then
+        gpu_operations=${HOROVOD_GPU_OPERATIONS:-NCCL}
+    else
+        echo "warning: torch is a CUDA build but nvcc is not on PATH: building Horovod without NCCL," \
+             "so GPU gradients will be reduced on the CPU (slow). Install the CUDA toolkit and rerun." >&2
+    fi
+fi
+
+cache=${HOROVOD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/distributed-nlp-suite/horovod-$version-torch-$torch_version${gpu_operations:+-${gpu_operations,,}}}
+wheel_pattern="horovod-$version-$python_tag-*.whl"
 mkdir -p "$cache"
 
-if ! compgen -G "$cache/horovod-$version-*.whl" >/dev/null; then
-    for tool in cmake g++; do
-        command -v "$tool" >/dev/null || { echo "error: building Horovod needs '$tool' (apt-get install cmake g++)" >&2; exit 1; }
+if ! compgen -G "$cache/$wheel_pattern" >/dev/null; then
+    for tool in cmake make g++; do
+        command -v "$tool" >/dev/null || fail "building Horovod needs '$tool' (Debian/Ubuntu: apt-get install cmake make g++)"
     done
+    "$python" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+        || fail "building Horovod needs the Python headers (Python.h; Debian/Ubuntu: apt-get install python3-dev)"
+
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    echo "Building Horovod $version against torch $torch_version (about 10 minutes on 2 cores)..."
-    "$python" -m pip download --quiet --no-deps --no-binary :all: --dest "$work" "horovod==$version"
+    echo "Building Horovod $version against torch $torch_version (${gpu_operations:-CPU only}; about 10 minutes on 2 cores)..."
+    "$python" -m pip download --quiet --no-deps --no-binary :all: --dest "$work" "horovod==$version" \
+        || fail "could not download the Horovod $version source distribution from PyPI"
     tar -xzf "$work/horovod-$version.tar.gz" -C "$work"
     src="$work/horovod-$version"
-    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
-        "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
-        || { echo "error: could not patch Horovod's C++ standard to 17" >&2; exit 1; }
+    for cmake_file in "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"; do
+        sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$cmake_file"
+        grep -q 'set(CMAKE_CXX_STANDARD 17)' "$cmake_file" || fail "could not raise the C++ standard to 17 in $cmake_file"
+    done
 
     export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
     export HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=GLOO
-    if "$python" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' && command -v nvcc >/dev/null; then
-        export HOROVOD_GPU_OPERATIONS=NCCL
+    if [ -n "$gpu_operations" ]; then
+        export HOROVOD_GPU_OPERATIONS=$gpu_operations
+    else
+        unset HOROVOD_GPU_OPERATIONS
     fi
-    "$python" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$work/dist" "$src" \
-        > "$work/build.log" 2>&1 || { tail -n 40 "$work/build.log" >&2; echo "error: the Horovod build failed (log above)" >&2; exit 1; }
-    mv "$work"/dist/horovod-*.whl "$cache/"
+    log="$cache/build.log"
+    start=$SECONDS
+    "$python" -m pip wheel --no-deps --no-build-isolation --wheel-dir "$work/dist" "$src" > "$log" 2>&1 \
+        || { tail -n 40 "$log" >&2; fail "the Horovod build failed (last lines above, full log: $log)"; }
+    # Copy under a temporary name, then rename: an interrupted copy never looks like a cached wheel.
+    built=$(echo "$work"/dist/horovod-*.whl)
+    cp "$built" "$cache/.partial"
+    mv "$cache/.partial" "$cache/$(basename "$built")"
+    echo "Built Horovod in $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
 fi
-"$python" -m pip install --quiet --no-deps "$cache"/horovod-$version-*.whl
-"$python" -m pip install --quiet cloudpickle psutil pyyaml
+# Its runtime dependencies are pinned in requirements.txt (cffi, also declared, serves only the
+# TensorFlow and MXNet parts that this build leaves out).
+"$python" -m pip install --quiet --no-deps --force-reinstall "$cache"/$wheel_pattern
+"$python" -c 'import horovod.torch, horovod.runner.launch' || fail "Horovod was installed but does not import"
 echo "Horovod $version installed from $cache"

@@ -1,0 +1,103 @@
+"""Fine-tune Chinese BERT with Horovod: one process per GPU, started by horovodrun.
+
+    horovodrun -np 2 -H localhost:2 --gloo python multi-gpu-horovod-cls.py
+    horovodrun -np 2 -H localhost:2 --gloo python multi-gpu-horovod-cls.py --fp16-allreduce
+
+    # two machines, 2 GPUs each (run on host1 only; horovodrun starts the processes on host2 over
+    # passwordless ssh, so the repository and .venv must be at the same path on both):
+    horovodrun -np 4 -H host1:2,host2:2 --gloo python multi-gpu-horovod-cls.py
+
+Each process holds a full copy of the model and trains on its own shard of every batch. Horovod's
+DistributedOptimizer all-reduces (averages) each gradient as soon as backward() has produced it,
+and step() waits for those all-reduces before updating, so all copies take the same step: the
+same maths as DDP, from a different library. Without GPUs the processes talk over Gloo on the CPU.
+Horovod is built from source by scripts/build-horovod.sh (see the README).
+"""
+import os
+
+import horovod
+import horovod.torch as hvd
+import torch
+
+import common
+
+
+class Horovod(common.Strategy):
+    name = "horovod"
+    launcher = "horovodrun"
+
+    def __init__(self, device, precision):
+        super().__init__(device, hvd.rank(), hvd.size(), precision)
+        if device.type == "cpu":
+            common.share_cpu_cores(hvd.local_size())
+
+    def step(self, model, optimizer):
+        optimizer.step()  # first waits for this step's gradient all-reduces
+        optimizer.zero_grad()  # Horovod's takes no set_to_none argument; None is torch's default anyway
+
+    def reduce_mean(self, tensor):
+        # hvd.allreduce returns a new tensor, the average, and leaves its input unchanged.
+        return hvd.allreduce(tensor, op=hvd.Average)
+
+    def gather(self, tensor):
+        return hvd.allgather(tensor)
+
+    def versions(self):
+        return {"horovod": horovod.__version__}
+
+
+def check_launched():
+    """Started without horovodrun, hvd.init() quietly makes a world of one process: refuse instead."""
+    if hvd.size() == 1 and "HOROVOD_RANK" not in os.environ:
+        raise common.UserError("this script runs under horovodrun: horovodrun -np N -H localhost:N --gloo "
+                               "python multi-gpu-horovod-cls.py (see the README)")
+
+
+def main():
+    parser = common.build_parser(__file__, __doc__)
+    parser.add_argument("--fp16-allreduce", action="store_true",
+                        help="send gradients as fp16 (half the traffic, about 3 significant digits)")
+    args = common.check_args(parser.parse_args())
+    common.set_seed(args.seed)
+
+    # 1. Join the job horovodrun started. The global rank decides who prints and saves; the local
+    #    rank (the process's index on its machine) decides which GPU it uses.
+    hvd.init()
+    check_launched()
+    device = common.resolve_device(args.device, hvd.local_rank())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    strategy = Horovod(device, "fp32, fp16 all-reduce" if args.fp16_allreduce else "fp32")
+
+    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+    model.to(device)
+    # 2. Horovod does not wrap the model, so nothing else makes the copies start equal: send rank 0's
+    #    weights to every process (the seed already agrees here; the broadcast makes it certain).
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    # 3. Each process reads a different 1/size of every global batch, so the global batch is
+    #    batch size x processes. The learning rate is NOT multiplied by the process count (Horovod's
+    #    examples do that): the same global batch then takes the same step as DDP and one device.
+    train_loader = common.make_loader(train_set, args, tokenizer,
+                                      common.train_sampler(train_set, args, hvd.size(), hvd.rank()))
+    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, hvd.size(), hvd.rank()))
+    optimizer = common.make_optimizer(model, lr, args.weight_decay)
+
+    # 4. The DistributedOptimizer hooks every named parameter and averages its gradient across
+    #    processes during backward(). fp16 compression halves the bytes sent but rounds each gradient.
+    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression, op=hvd.Average)
+
+    # 5. Give every process rank 0's optimizer settings and state (the state once there is one, e.g.
+    #    loaded from a checkpoint). Not with hvd.broadcast_optimizer_state: on a fresh optimizer it first
+    #    runs a step on zero gradients, which for AdamW decays the weights once and makes the first real
+    #    update about a quarter smaller.
+    optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
+
+    trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
+    trainer.fit()
+
+
+if __name__ == "__main__":
+    common.run(main)

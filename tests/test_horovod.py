@@ -1,0 +1,57 @@
+"""multi-gpu-horovod-cls.py under horovodrun (2 CPU processes over Gloo), and the Horovod build script."""
+import shutil
+
+from conftest import BIN, PYTHON, SMALL, assert_same_weights, read_result, require, run
+
+SCRIPT = "multi-gpu-horovod-cls.py"
+
+
+def horovodrun(*args):
+    require("horovod")
+    # --start-timeout: horovodrun's 30 s default for starting the processes is tight on a busy 2-core machine.
+    return run([BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
+                PYTHON, SCRIPT, *SMALL, *args], timeout=600)
+
+
+def assert_horovod_result(result, global_batch):
+    assert result["strategy"] == "horovod" and result["launcher"] == "horovodrun"
+    assert result["world_size"] == 2 and result["global_batch_size"] == global_batch
+    assert result["dev_samples"] == 80  # each dev sample counted once, not once per process
+    assert result["versions"]["horovod"]
+
+
+def test_horovod_trains_with_fp16_allreduce_and_logs_once(tmp_path):
+    process = horovodrun("--fp16-allreduce", "--output-dir", str(tmp_path))
+    result = read_result(tmp_path)
+    assert_horovod_result(result, global_batch=64)
+    assert result["steps"] == 5 and result["precision"] == "fp32, fp16 all-reduce"
+    assert "[0]<stdout>:【train】 epoch：1/1 step：5/5 loss：" in process.stdout
+    assert "[1]<stdout>:【train】" not in process.stdout  # only rank 0 logs
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+
+
+def test_horovod_equals_one_device_at_the_same_global_batch(tmp_path, single_reference):
+    """2 processes x 16 with averaged gradients take the same steps as 1 process x 32."""
+    horovodrun("--no-shuffle", "--dropout", "0", "--batch-size", "16", "--output-dir", str(tmp_path))
+    result = read_result(tmp_path)
+    assert_horovod_result(result, global_batch=32)
+    assert result["steps"] == read_result(single_reference)["steps"] == 10
+    assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_without_horovodrun_it_says_how_to_launch():
+    require("horovod")
+    process = run([PYTHON, SCRIPT, *SMALL], check=False, timeout=120)
+    assert process.returncode == 2
+    assert process.stderr.strip().splitlines()[-1].startswith("error: this script runs under horovodrun")
+
+
+def test_build_script_names_a_missing_build_tool(tmp_path):
+    """Without cmake (and no cached wheel) the build stops at once with one line saying what to install."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "mkdir").symlink_to(shutil.which("mkdir"))
+    process = run([shutil.which("bash"), "scripts/build-horovod.sh", PYTHON], check=False, timeout=120,
+                  env={"PATH": str(tools), "HOROVOD_WHEEL_CACHE": str(tmp_path / "cache")})
+    assert process.returncode == 1
+    assert process.stderr.strip().splitlines()[-1].startswith("error: building Horovod needs 'cmake'")
