@@ -1,6 +1,7 @@
 """Fine-tune Chinese BERT with DistributedDataParallel (DDP): one process per GPU, started by torchrun.
 
     torchrun --nproc_per_node 2 multi-gpu-distributed-cls.py
+    torchrun --standalone --nproc_per_node 2 multi-gpu-distributed-cls.py   # a free port, not 29500
     python -m torch.distributed.launch --nproc_per_node 2 multi-gpu-distributed-cls.py   # legacy launcher
 
     # two machines, 2 GPUs each (run on each; --node_rank 0 on the machine at MASTER_IP):
@@ -42,7 +43,8 @@ def main():
     parser = common.build_parser(__file__, __doc__)
     common.add_distributed_args(parser)
     # 1. The legacy torch.distributed.launch passes --local-rank (older releases --local_rank);
-    #    torchrun passes nothing. Both set LOCAL_RANK in the environment, which is what we read.
+    #    torchrun passes nothing. Both set LOCAL_RANK in the environment, which is what we read;
+    #    the flag only tells the result file which launcher ran.
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     args = common.check_args(parser.parse_args())
     common.set_seed(args.seed)
@@ -58,6 +60,8 @@ def main():
     dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DDP(device, rank, world_size, local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+        if args.local_rank is not None:
+            strategy.launcher = "torch.distributed.launch"
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
         model.to(device)

@@ -1,0 +1,83 @@
+"""Fine-tune Chinese BERT with nn.DataParallel: one process drives several GPUs.
+
+    python multi-gpu-dataparallel-cls.py                  # every GPU torch sees
+    python multi-gpu-dataparallel-cls.py --gpu-ids 0,1    # only these, e.g. the free cards of a shared machine
+
+Every step, DataParallel copies the model from the first GPU to the others, splits the batch
+between them, runs the copies in threads and gathers their outputs back on the first GPU, where
+backward sums the gradients. One Python process drives all the GPUs and the first one does the
+extra work, so it scales worse than DDP (multi-gpu-distributed-cls.py), which PyTorch recommends
+instead. Its appeal: wrapping the model is the whole change to single-gpu-cls.py (compare them with diff).
+Without GPUs it runs as one CPU process, the same as single-gpu-cls.py.
+"""
+import sys
+
+import torch
+from torch.nn import DataParallel
+
+import common
+
+
+class DataParallelStrategy(common.Strategy):
+    name = "dataparallel"
+
+    def unwrap(self, model):
+        # Save the inner model: no "module." prefixes in the checkpoint.
+        return model.module if isinstance(model, DataParallel) else model
+
+
+def choose_gpus(args):
+    """The GPU indices to use: --gpu-ids, else all; none on a machine without GPUs."""
+    if common.resolve_device(args.device).type == "cpu":
+        print("note: DataParallel needs GPUs and none is in use here: training as one process on the CPU",
+              file=sys.stderr)
+        return []
+    available = torch.cuda.device_count()
+    if args.gpu_ids is None:
+        gpu_ids = list(range(available))
+    else:
+        try:
+            gpu_ids = [int(part) for part in args.gpu_ids.split(",")]
+        except ValueError:
+            raise common.UserError(f"--gpu-ids takes GPU indices separated by commas, like 0,1; "
+                                   f"got {args.gpu_ids!r}") from None
+        if len(set(gpu_ids)) != len(gpu_ids) or not all(0 <= i < available for i in gpu_ids):
+            raise common.UserError(f"--gpu-ids {args.gpu_ids}: name each GPU once, from 0 to {available - 1} "
+                                   f"(this machine has {available})")
+    print(f"DataParallel over GPUs {','.join(map(str, gpu_ids))}: {torch.cuda.get_device_name(gpu_ids[0])}")
+    return gpu_ids
+
+
+def main():
+    parser = common.build_parser(__file__, __doc__)
+    parser.add_argument("--gpu-ids", help="GPUs to use, comma-separated, e.g. 0,1; None = all")
+    args = common.check_args(parser.parse_args())
+    common.set_seed(args.seed)
+
+    # 1. One process for all the GPUs: the first GPU named holds the model, receives every batch and
+    #    the gathered outputs, and runs the optimizer. Other processes on the machine may use the rest.
+    gpu_ids = choose_gpus(args)
+    device = torch.device("cuda", gpu_ids[0]) if gpu_ids else torch.device("cpu")
+    strategy = DataParallelStrategy(device)
+
+    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+    model.to(device)
+    # 2. Each forward pass splits the batch over the GPUs (--batch-size is the whole batch: pass
+    #    32 x GPUs to give each GPU what DDP gives each process), runs a copy of the model on each and
+    #    gathers the logits on the first GPU.
+    # 3. The Trainer computes the loss from those gathered logits, outside the model: one mean over the
+    #    whole batch. A model that computed its own loss would return one loss per GPU, and averaging
+    #    them (as the reference tutorial does) weighs a GPU with a short last split like a full one.
+    if gpu_ids:
+        model = DataParallel(model, device_ids=gpu_ids)
+
+    train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))
+    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set))
+    optimizer = common.make_optimizer(model, lr, args.weight_decay)
+
+    trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
+    trainer.fit()
+
+
+if __name__ == "__main__":
+    common.run(main)

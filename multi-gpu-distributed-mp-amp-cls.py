@@ -1,0 +1,193 @@
+"""Fine-tune Chinese BERT with DDP started by torch.multiprocessing.spawn, plus automatic mixed precision.
+
+    python multi-gpu-distributed-mp-amp-cls.py                # fp16 on GPUs, bf16 on CPU
+    python multi-gpu-distributed-mp-amp-cls.py --amp bf16     # GPUs from Ampere (A100, RTX 30xx) on
+    python multi-gpu-distributed-mp-amp-cls.py --amp no       # fp32, as multi-gpu-distributed-mp-cls.py
+
+    # two machines, 2 GPUs each (run on each; --node-rank 0 on the machine at MASTER_IP):
+    python multi-gpu-distributed-mp-amp-cls.py --nnodes 2 --node-rank 0 --nprocs 2 \\
+        --master-addr MASTER_IP --master-port 29500
+
+This is multi-gpu-distributed-mp-cls.py (compare them with diff) with the forward pass under autocast:
+matrix products run in 16-bit floats, faster on tensor-core GPUs and with about half the activation
+memory, while the weights, the optimizer and the loss stay in fp32.
+"""
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+import common
+
+# Seconds the processes get to stop on their own (after a failure or a SIGTERM) before they are killed.
+SHUTDOWN_GRACE_SECONDS = 10
+# The 16-bit type autocast computes in, for each --amp choice.
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "no": None}
+
+
+class DDPWithAMP(common.TorchDistributed):
+    name = "ddp-amp"
+    launcher = "spawn"
+
+    def __init__(self, device, rank, world_size, local_world_size, amp):
+        super().__init__(device, rank, world_size, local_world_size,
+                         precision="fp32" if amp == "no" else f"amp-{amp}")
+        self.amp_dtype = AMP_DTYPES[amp]
+        # AMP 1. fp16 has a narrow range: small gradients would round to zero. The scaler multiplies
+        #        the loss before backward and divides the gradients before the step, skipping steps
+        #        whose gradients overflowed. bf16 has fp32's range: no scaler (disabled = pass-through).
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+
+    def autocast(self):
+        # AMP 2. Only the forward pass runs under autocast (the Trainer then computes the loss in fp32
+        #        from the logits); backward and the optimizer step run outside it, on fp32 weights.
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self, model, optimizer):
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    def unwrap(self, model):
+        return model.module  # save the inner model: no "module." prefixes in the checkpoint
+
+
+def main():
+    parser = common.build_parser(__file__, __doc__)
+    common.add_distributed_args(parser)
+    # 1. The options torchrun took, now the script's own.
+    parser.add_argument("--nprocs", type=int, help="processes on this machine; None = one per GPU, or 2 on CPU")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines taking part")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index: 0 .. nnodes - 1")
+    parser.add_argument("--master-addr", help="address of the --node-rank 0 machine; None = 127.0.0.1")
+    parser.add_argument("--master-port", type=int, help="rendezvous port; None = a free one")
+    parser.add_argument("--amp", choices=list(AMP_DTYPES), help="mixed precision; None = fp16 on GPUs, bf16 on CPU")
+    args = common.check_args(parser.parse_args())
+    check_launch(args)
+
+    # 2. Start the processes and wait for them. spawn (not fork) gives each a fresh interpreter, as
+    #    CUDA requires. If one fails, the others get a grace period, then are stopped; if the job is
+    #    interrupted (Ctrl-C, or SIGTERM from a scheduler), they are stopped before the script exits.
+    first_failure = mp.get_context("spawn").Value("i", -1)
+    processes = mp.start_processes(worker, args=(args, first_failure), nprocs=args.nprocs, join=False)
+    try:
+        while not processes.join(grace_period=SHUTDOWN_GRACE_SECONDS):
+            pass
+    except KeyboardInterrupt:
+        stop(processes.processes)
+        raise
+    except mp.ProcessExitedException as error:
+        if error.exit_code == 2:  # a user error: the process has already said what to fix
+            raise SystemExit(2) from None
+        rank = first_failure.value if first_failure.value >= 0 else args.node_rank * args.nprocs + error.error_index
+        cause = f"killed by {error.signal_name}" if error.signal_name else f"exit code {error.exit_code}"
+        raise SystemExit(f"error: rank {rank} failed ({cause}); the other processes were stopped") from None
+
+
+def check_launch(args):
+    """Fill in the defaults that depend on the machine and refuse launches that cannot meet."""
+    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
+    if args.nprocs is None:
+        args.nprocs = gpus or 2
+    if args.nprocs < 1 or args.nnodes < 1:
+        raise common.UserError("--nprocs and --nnodes must be at least 1")
+    if gpus and args.nprocs > gpus:
+        raise common.UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise common.UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
+    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        raise common.UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
+                               "of the --node-rank 0 machine) and --master-port")
+    args.master_addr = args.master_addr or "127.0.0.1"
+    args.master_port = args.master_port or free_port()
+    # AMP 3. fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, tens of times
+    #        slower than fp32, while many compute bf16 natively. Refuse rather than silently crawl.
+    if args.amp is None:
+        args.amp = "fp16" if gpus else "bf16"
+    if args.amp == "fp16" and not gpus:
+        raise common.UserError("--amp fp16 needs GPUs (CPUs emulate fp16, tens of times slower than fp32); "
+                               "on CPU use --amp bf16 (the default there) or --amp no")
+
+
+def free_port():
+    """A port nothing listens on: the system picks it. A fixed default (torchrun's 29500) makes a
+    second job on the same machine fail to start."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def stop(processes):
+    """End the processes as torchrun would: SIGTERM (they clean up as on Ctrl-C), then SIGKILL."""
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+
+
+def worker(local_rank, args, first_failure):
+    """The body of every process; spawn calls it with the process's index on this machine."""
+    # 3. The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
+    #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
+    #    torchrun would have put them in the environment; here the script computes them.
+    rank = args.node_rank * args.nprocs + local_rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nnodes * args.nprocs),
+                      MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
+    common.run(lambda: train(args, rank, local_rank, first_failure))
+
+
+def train(args, rank, local_rank, first_failure):
+    common.set_seed(args.seed)
+    world_size = args.nnodes * args.nprocs
+    device = common.resolve_device(args.device, local_rank)
+
+    # 4. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if args.amp == "bf16" and not torch.cuda.is_bf16_supported():
+            raise common.UserError(f"--amp bf16 needs a GPU from Ampere on; {torch.cuda.get_device_name()} "
+                                   "has no bf16: use --amp fp16")
+    dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
+    try:
+        strategy = DDPWithAMP(device, rank, world_size, local_world_size=args.nprocs, amp=args.amp)
+
+        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+        model.to(device)
+        # 5. DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
+        #    gradients during backward(), overlapping the communication with the computation.
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+        # 6. Each process reads a different 1/world_size of every global batch, so the global batch
+        #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
+        train_loader = common.make_loader(train_set, args, tokenizer,
+                                          common.train_sampler(train_set, args, world_size, rank))
+        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, world_size, rank))
+        optimizer = common.make_optimizer(model, lr, args.weight_decay)
+
+        trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
+        trainer.fit()
+    except Exception:
+        # 7. Note the first rank to fail before leaving the group, which makes the others fail too:
+        #    the parent then names the cause, not a rank that only lost its peer.
+        with first_failure.get_lock():
+            if first_failure.value < 0:
+                first_failure.value = rank
+        raise
+    finally:
+        # 8. Leave the group on every exit path, failures included, so no process is left waiting.
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,152 @@
+"""The native PyTorch strategies on CPU with gloo and 2 processes: DataParallel (its CPU fallback),
+DDP under torchrun, the legacy torch.distributed.launch and torch.multiprocessing.spawn, DDP + AMP."""
+import os
+import re
+import socket
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+
+import common
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, read_result, run
+
+# 2 processes at batch 16 see the same global batches as single-gpu-cls.py at 32 (single_reference).
+EQUIVALENT = [*SMALL, "--no-shuffle", "--dropout", "0", "--batch-size", "16"]
+TORCHRUN = str(BIN / "torchrun")
+
+
+def free_port():
+    """A port nothing listens on, so a test never meets the rendezvous of an earlier one."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return str(probe.getsockname()[1])
+
+
+def torchrun(*args):
+    return [TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-distributed-cls.py", *args]
+
+
+def assert_distributed_result(output_dir, strategy, launcher, precision="fp32"):
+    result = read_result(output_dir)
+    assert (result["strategy"], result["launcher"], result["precision"]) == (strategy, launcher, precision)
+    assert result["world_size"] == 2 and result["dev_samples"] == 80
+    return result
+
+
+def logged_losses(output):
+    return [float(loss) for loss in re.findall(r"【train】 .* loss：([\d.]+)", output)]
+
+
+def untrained_dev_loss():
+    """The dev loss of the tiny model before any step, on the SMALL split."""
+    train, dev = common.split_records(common.load_records(ROOT / "data" / "train.json"), 400, 0.2, 123)
+    tokenizer, model = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
+    encoded = tokenizer([text for text, _ in dev], padding=True, truncation=True, max_length=128, return_tensors="pt")
+    with torch.no_grad():
+        logits = model.eval()(**encoded).logits
+    return F.cross_entropy(logits, torch.tensor([label for _, label in dev])).item()
+
+
+def test_ddp_under_torchrun_equals_the_single_device_run(tmp_path, single_reference):
+    process = run(torchrun(*EQUIVALENT, "--output-dir", str(tmp_path)))
+    assert_distributed_result(tmp_path, "ddp", "torchrun")
+    assert process.stdout.count("耗时：") == 1  # only rank 0 reports
+    assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_ddp_under_the_legacy_launcher(tmp_path):
+    run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", free_port(),
+         "multi-gpu-distributed-cls.py", *SMALL, "--output-dir", str(tmp_path)])
+    result = assert_distributed_result(tmp_path, "ddp", "torch.distributed.launch")
+    assert result["global_batch_size"] == 64 and result["steps"] == 5
+
+
+def test_ddp_under_spawn_equals_the_single_device_run(tmp_path, single_reference):
+    process = run([PYTHON, "multi-gpu-distributed-mp-cls.py", *EQUIVALENT, "--output-dir", str(tmp_path)])
+    assert_distributed_result(tmp_path, "ddp", "spawn")
+    assert process.stdout.count("耗时：") == 1
+    assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_bf16_amp_learns_and_tracks_fp32(tmp_path, single_reference):
+    process = run([PYTHON, "multi-gpu-distributed-mp-amp-cls.py", *EQUIVALENT, "--output-dir", str(tmp_path)])
+    result = assert_distributed_result(tmp_path, "ddp-amp", "spawn", precision="amp-bf16")  # bf16 is the CPU default
+    first, last = logged_losses(process.stdout + process.stderr)
+    assert last < first
+    assert result["dev_loss"] < untrained_dev_loss() - 0.03
+    assert abs(result["dev_loss"] - read_result(single_reference)["dev_loss"]) < 0.01
+
+
+def test_fp16_amp_is_refused_on_cpu_with_a_clear_message():
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("this machine has a GPU: fp16 is valid here")
+    process = run([PYTHON, "multi-gpu-distributed-mp-amp-cls.py", *SMALL, "--amp", "fp16"], check=False, timeout=120)
+    assert process.returncode == 2 and "Traceback" not in process.stderr
+    assert process.stderr.strip().splitlines()[-1].startswith("error: --amp fp16 needs GPUs")
+
+
+def test_dataparallel_without_gpus_runs_one_cpu_process(tmp_path, single_reference):
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("this machine has a GPU: DataParallel uses it")
+    process = run([PYTHON, "multi-gpu-dataparallel-cls.py", *SMALL, "--no-shuffle", "--dropout", "0",
+                   "--gpu-ids", "0,1", "--output-dir", str(tmp_path)])
+    assert "DataParallel needs GPUs" in process.stderr
+    result = read_result(tmp_path)
+    assert (result["strategy"], result["launcher"], result["world_size"]) == ("dataparallel", "python", 1)
+    assert result["dev_samples"] == 80 and result["device"] == "cpu"
+    assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_two_nodes_report_and_save_once(tmp_path):
+    """Two torchrun 'machines' of one process each meet at 127.0.0.1; only global rank 0 reports."""
+    port = free_port()
+    nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                               "--master_addr", "127.0.0.1", "--master_port", port, "multi-gpu-distributed-cls.py",
+                               *SMALL, "--output-dir", str(tmp_path / f"node{node}")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert ["耗时：" in output for output in outputs] == [True, False], outputs
+    assert not (tmp_path / "node1").exists()
+    assert (tmp_path / "node0" / "model" / "model.safetensors").is_file()
+    assert_distributed_result(tmp_path / "node0", "ddp", "torchrun")
+
+
+def assert_failure_names_rank_1(command, tmp_path):
+    start = time.monotonic()
+    process = run([*command, *SMALL, "--output-dir", str(tmp_path)], env={common.FAIL_AT_ENV: "1:3"},
+                  check=False, timeout=300)
+    assert process.returncode != 0
+    assert time.monotonic() - start < 120, "the job took too long to stop after rank 1 failed"
+    assert "error: rank 1 failed: RuntimeError: failure injected" in process.stderr
+    assert not (tmp_path / "result.json").exists()
+    return process.stderr
+
+
+def test_a_failing_rank_stops_torchrun(tmp_path):
+    stderr = assert_failure_names_rank_1(torchrun(), tmp_path)
+    # torchrun's summary names the first rank that failed as the root cause.
+    root_cause = stderr.split("Root Cause")[-1]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), stderr
+
+
+def test_a_failing_rank_stops_spawn(tmp_path):
+    stderr = assert_failure_names_rank_1([PYTHON, "multi-gpu-distributed-mp-cls.py"], tmp_path)
+    assert stderr.strip().splitlines()[-1].startswith("error: rank 1 failed (exit code 1)")
+
+
+def test_spawn_on_several_machines_needs_the_rendezvous_address():
+    process = run([PYTHON, "multi-gpu-distributed-mp-cls.py", *SMALL, "--nnodes", "2", "--node-rank", "1"],
+                  check=False, timeout=120)
+    assert process.returncode == 2 and "Traceback" not in process.stderr
+    assert "--master-addr" in process.stderr.strip().splitlines()[-1]
