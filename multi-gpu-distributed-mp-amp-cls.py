@@ -107,7 +107,11 @@ def check_launch(args):
         raise common.UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
                                "of the --node-rank 0 machine) and --master-port")
     args.master_addr = args.master_addr or "127.0.0.1"
-    args.master_port = args.master_port or free_port()
+    if args.master_port is None:
+        args.master_port = free_port()
+    elif args.node_rank == 0 and not port_is_free(args.master_port):
+        raise common.UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
+                               "or leave it out to get a free one")
     # AMP 3. fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, tens of times
     #        slower than fp32, while many compute bf16 natively. Refuse rather than silently crawl.
     if args.amp is None:
@@ -123,6 +127,15 @@ def free_port():
     with socket.socket() as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
+
+
+def port_is_free(port):
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+        return True
 
 
 def stop(processes):

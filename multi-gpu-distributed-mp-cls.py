@@ -81,7 +81,11 @@ def check_launch(args):
         raise common.UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
                                "of the --node-rank 0 machine) and --master-port")
     args.master_addr = args.master_addr or "127.0.0.1"
-    args.master_port = args.master_port or free_port()
+    if args.master_port is None:
+        args.master_port = free_port()
+    elif args.node_rank == 0 and not port_is_free(args.master_port):
+        raise common.UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
+                               "or leave it out to get a free one")
 
 
 def free_port():
@@ -90,6 +94,15 @@ def free_port():
     with socket.socket() as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
+
+
+def port_is_free(port):
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+        return True
 
 
 def stop(processes):

@@ -2,13 +2,14 @@
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import time
 
 import psutil
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, read_result, run
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, read_result, require, run
 
 EQUIVALENCE = [*SMALL, "--no-shuffle", "--dropout", "0"]
 
@@ -46,20 +47,46 @@ def test_resume_after_a_crash_ends_like_an_uninterrupted_run(tmp_path, single_re
     assert_same_weights(single_reference / "model", tmp_path / "model")
 
 
-def start_long_ddp_run(output_dir):
-    command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "multi-gpu-distributed-cls.py",
-               "--model", "tiny", "--max-samples", "8000", "--log-steps", "2", "--no-group-by-length",
-               "--output-dir", str(output_dir)]
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+LAUNCH = {
+    "torchrun": lambda: [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                         "multi-gpu-distributed-cls.py"],
+    "spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2"],
+    "horovod": lambda: [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
+                        PYTHON, "multi-gpu-horovod-cls.py"],
+    "deepspeed": lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                          "multi-gpu-deepspeed-cls.py"],
+    "accelerate": lambda: [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                           "--main_process_port", str(free_port()), "multi-gpu-accelerate-cls.py"],
+}
+
+
+def start_long_run(launch, output_dir):
+    command = [*LAUNCH[launch](), "--model", "tiny", "--max-samples", "8000", "--log-steps", "2",
+               "--no-group-by-length", "--output-dir", str(output_dir)]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 
 
-@pytest.mark.parametrize("how", ["sigterm-to-launcher", "ctrl-c-to-group"])
-def test_interrupting_a_run_stops_every_process_and_keeps_the_previous_results(tmp_path, how):
+def assert_no_process_left(marker):
+    deadline = time.monotonic() + 10
+    while processes_mentioning(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(marker) == [], "orphan processes left running"
+
+
+@pytest.mark.parametrize("launch, how", [("torchrun", "sigterm-to-launcher"), ("torchrun", "ctrl-c-to-group"),
+                                         ("spawn", "sigterm-to-launcher")])
+def test_interrupting_a_run_stops_every_process_and_keeps_the_previous_results(tmp_path, launch, how):
     run([PYTHON, "single-gpu-cls.py", *SMALL, "--output-dir", str(tmp_path)])
     before = digest(tmp_path)
 
-    launcher = start_long_ddp_run(tmp_path)
+    launcher = start_long_run(launch, tmp_path)
     try:
         for line in launcher.stdout:
             if "【train】" in line:
@@ -75,11 +102,7 @@ def test_interrupting_a_run_stops_every_process_and_keeps_the_previous_results(t
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode != 0
-
-    deadline = time.monotonic() + 10
-    while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert processes_mentioning(str(tmp_path)) == [], "orphan processes left running"
+    assert_no_process_left(str(tmp_path))
     assert digest(tmp_path) == before, "the earlier model or result file changed"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
 
@@ -88,3 +111,31 @@ def test_ddp_script_started_without_its_launcher_says_how_to_launch_it():
     process = run([PYTHON, "multi-gpu-distributed-cls.py", *SMALL], check=False, timeout=120)
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1].startswith("error: this script runs under a launcher: torchrun")
+
+
+@pytest.mark.parametrize("launch, module", [("horovod", "horovod"), ("deepspeed", "deepspeed"),
+                                            ("accelerate", "accelerate")])
+def test_a_failing_rank_ends_the_whole_job_and_is_named(tmp_path, launch, module):
+    """torchrun and spawn have the same test in test_native.py."""
+    require(module)
+    started = time.monotonic()
+    process = run([*LAUNCH[launch](), *SMALL, "--output-dir", str(tmp_path)], env={"SUITE_FAIL_AT": "1:3"},
+                  check=False, timeout=300)
+    assert process.returncode != 0
+    assert time.monotonic() - started < 240
+    assert "error: rank 1 failed: RuntimeError: failure injected by SUITE_FAIL_AT at step 3" in (
+        process.stdout + process.stderr)
+    assert_no_process_left(str(tmp_path))
+    assert not (tmp_path / "result.json").exists()
+
+
+@pytest.mark.parametrize("script", ["multi-gpu-distributed-mp-cls.py", "multi-gpu-distributed-mp-amp-cls.py"])
+def test_spawn_refuses_a_master_port_in_use(script):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = run([PYTHON, script, *SMALL, "--master-port", str(port)], check=False, timeout=120)
+    assert process.returncode == 2
+    assert process.stderr.strip().splitlines()[-1] == (
+        f"error: --master-port {port} is in use on this machine: name another, or leave it out to get a free one")
