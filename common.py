@@ -439,6 +439,10 @@ class Strategy:
         """The strategy's own entries for the result file (they may refine the common ones)."""
         return {}
 
+    def global_batch_size(self, batch_size):
+        """Samples per optimizer step over all processes, for `batch_size` per process."""
+        return batch_size * self.world_size
+
 
 class TorchDistributed(Strategy):
     """Logging and evaluation collectives over torch.distributed (DDP and DeepSpeed use it)."""
@@ -500,7 +504,7 @@ class Trainer:
     def fit(self):
         """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
         self.log(f"model: {self.model_name} | learning rate: {self.lr:g} | processes: {self.strategy.world_size} | "
-                 f"global batch: {self.args.batch_size * self.strategy.world_size} | "
+                 f"global batch: {self.strategy.global_batch_size(self.args.batch_size)} | "
                  f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)}")
         first_step = self.resume_step()
         train_seconds, step, last_loss = self.train(first_step)
@@ -610,7 +614,7 @@ class Trainer:
             "model": self.model_name,
             "precision": strategy.precision,
             "batch_size_per_process": args.batch_size,
-            "global_batch_size": args.batch_size * strategy.world_size,
+            "global_batch_size": strategy.global_batch_size(args.batch_size),
             "epochs": args.epochs,
             "steps": steps,
             "learning_rate": self.lr,

@@ -1,0 +1,185 @@
+"""multi-gpu-deepspeed-cls.py under the deepspeed launcher: ZeRO stages 0-3, offload, the merged checkpoint."""
+import json
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+import torch
+
+import common
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, load_weights, read_result, require, run
+
+SCRIPT = "multi-gpu-deepspeed-cls.py"
+EQUIVALENCE = [*SMALL, "--no-shuffle", "--dropout", "0", "--precision", "fp32"]
+# The C++ ops these runs load: the shared-memory collectives of every CPU run, and the CPU Adam of
+# optimizer offload.
+BUILD_OPS = ("from deepspeed.accelerator import get_accelerator\n"
+             "for name in ('ShareMemCommBuilder', 'CPUAdamBuilder'):\n"
+             "    get_accelerator().create_op_builder(name).load()")
+# What the deepspeed launcher sets, for the checks that fail before any process group is formed.
+LAUNCHED = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_SIZE": "2"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deepspeed_ops():
+    """Compile DeepSpeed's CPU ops once, before the first launch (about a minute on 2 idle cores),
+    then cached for every later process in the torch extensions folder (~/.cache/torch_extensions, or
+    $TORCH_EXTENSIONS_DIR), so no launch below pays for it or needs a longer timeout."""
+    require("deepspeed")
+    run([PYTHON, "-c", BUILD_OPS], env={"DS_ACCELERATOR": "cpu"}, timeout=1200)
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(*args, output, env=None, check=True):
+    """deepspeed --num_gpus 2 on a free port (the launcher's default 29500 may be taken)."""
+    command = [str(BIN / "deepspeed"), "--master_port", str(free_port()), "--num_gpus", "2", SCRIPT, *args,
+               "--output-dir", str(output)]
+    return run(command, env=env, check=check, timeout=600)
+
+
+def check_result(output, zero_stage, **expected):
+    result = read_result(output)
+    assert result["strategy"] == "deepspeed" and result["launcher"] == "deepspeed"
+    assert result["world_size"] == 2 and result["zero_stage"] == zero_stage
+    assert result["dev_samples"] == 80 and result["versions"]["deepspeed"]
+    for key, value in expected.items():
+        assert result[key] == value, key
+    # The ZeRO shards were merged into model/ and removed.
+    assert sorted(path.name for path in output.iterdir()) == ["model", "result.json"]
+    return result
+
+
+@pytest.mark.parametrize("zero_stage, batch", [
+    (0, ["--batch-size", "16"]),
+    (2, ["--batch-size", "8", "--gradient-accumulation-steps", "2"]),
+], ids=["stage0", "stage2-accumulating"])
+def test_zero_ends_with_the_single_device_weights(tmp_path, single_reference, zero_stage, batch):
+    """In fp32 at the same global batch of 32 (16 x 2 processes, or 8 x 2 processes x 2 accumulation
+    steps), the merged checkpoint holds the weights single-gpu-cls.py ends with."""
+    process = launch(*EQUIVALENCE, "--zero-stage", str(zero_stage), *batch, output=tmp_path)
+    assert "global batch: 32 |" in process.stdout
+    check_result(tmp_path, zero_stage, precision="fp32", global_batch_size=32, optimizer_steps=10, offload="none")
+    assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_zero1_with_optimizer_offload_trains_in_the_default_precision(tmp_path):
+    process = launch(*SMALL, "--zero-stage", "1", "--offload", "optimizer", output=tmp_path)
+    assert "【train】 epoch：1/1 step：5/5 loss：" in process.stdout
+    precision = "fp16" if torch.cuda.is_available() else "bf16"
+    check_result(tmp_path, 1, offload="optimizer", precision=precision, global_batch_size=64)
+
+
+def test_zero3_checkpoint_predicts_the_reported_dev_accuracy(tmp_path):
+    """The weights ZeRO-3 splits across processes come back whole: predict.py on the dev texts
+    scores what the run reported, with weights that moved away from their initialisation."""
+    launch(*SMALL, "--zero-stage", "3", output=tmp_path)
+    result = check_result(tmp_path, 3)
+
+    train, dev = common.split_records(common.load_records(ROOT / "data" / "train.json"), 400, 0.2, 123)
+    _, initial = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
+    assert not torch.allclose(initial.classifier.weight, load_weights(tmp_path / "model")["classifier.weight"])
+    texts_file = tmp_path / "dev.txt"
+    texts_file.write_text("\n".join(text for text, _ in dev), encoding="utf-8")
+    lines = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path / "model"), "--file", str(texts_file)]
+                ).stdout.strip().splitlines()
+    assert len(lines) == len(dev)
+    correct = sum(line.split("\t")[0] == common.LABELS[label] for line, (_, label) in zip(lines, dev))
+    assert abs(correct / len(dev) - result["dev_accuracy"]) < 1e-9
+
+
+def test_zero2_resumes_from_its_sharded_checkpoint(tmp_path, single_reference):
+    command = [*EQUIVALENCE, "--zero-stage", "2", "--batch-size", "16", "--save-steps", "4"]
+    crashed = launch(*command, output=tmp_path, env={common.FAIL_AT_ENV: "0:6"}, check=False)
+    assert crashed.returncode != 0 and not (tmp_path / "result.json").exists()
+    assert (tmp_path / "checkpoint" / "latest").read_text() == "step4"
+
+    resumed = launch(*command, "--resume", output=tmp_path)
+    assert "continuing from step 4" in resumed.stdout
+    assert read_result(tmp_path)["resumed_from_step"] == 4
+    assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_two_machines_without_ssh_end_with_the_single_device_weights(tmp_path, single_reference):
+    """The multi-machine launch (a hostfile, one launcher per machine with --no_ssh), simulated by
+    two 'machines' of one process each on this computer, with ZeRO-3 in fp32."""
+    hostfile, output = tmp_path / "hostfile", tmp_path / "run"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n", encoding="utf-8")
+    port = str(free_port())
+    commands = [[str(BIN / "deepspeed"), "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
+                 "--master_port", port, "--hostfile", str(hostfile), SCRIPT, *EQUIVALENCE, "--zero-stage", "3",
+                 "--batch-size", "16", "--output-dir", str(output)] for node in (0, 1)]
+    with open(tmp_path / "machine-1.log", "w") as log:
+        second = subprocess.Popen(commands[1], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            run(commands[0], timeout=600)
+            assert second.wait(timeout=120) == 0, (tmp_path / "machine-1.log").read_text()
+        finally:
+            if second.poll() is None:  # stop its launcher and training process alike
+                os.killpg(second.pid, signal.SIGKILL)
+    check_result(output, 3, precision="fp32", global_batch_size=32)
+    assert_same_weights(single_reference / "model", output / "model")
+
+
+def assert_clean_error(process, fragment):
+    assert process.returncode == 2, process.stderr
+    assert "Traceback" not in process.stderr, process.stderr
+    last = process.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and fragment in last, last
+
+
+def write_config(tmp_path, config):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--zero-stage", "2", "--offload", "optimizer+param"], "offloading the weights needs --zero-stage 3"),
+    (["--deepspeed-config", "configs/deepspeed/zero3-offload.json", "--zero-stage", "2"],
+     "offloading the weights needs --zero-stage 3"),
+    (["--zero-stage", "0", "--offload", "optimizer"], "needs --zero-stage 1, 2 or 3"),
+    (["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be at least 1"),
+    (["--gradient-accumulation-steps", "2", "--save-steps", "3"], "multiple of the 2 accumulation steps"),
+    (["--deepspeed-config", "configs/deepspeed/nope.json"], "DeepSpeed config not found"),
+    ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}, "remove its optimizer/scheduler section"),
+    ({"train_micro_batch_size_per_gpu": 16}, "sets train_micro_batch_size_per_gpu 16, but the command line gives 32"),
+], ids=["param-offload-stage2", "flag-overrides-file", "offload-stage0", "no-accumulation", "save-mid-accumulation",
+        "missing-config", "config-optimizer", "config-batch"])
+def test_bad_deepspeed_options_fail_before_training(tmp_path, args, fragment):
+    if isinstance(args, dict):
+        args = ["--deepspeed-config", write_config(tmp_path, args)]
+    process = run([PYTHON, SCRIPT, *SMALL, *args], env=LAUNCHED, check=False, timeout=120)
+    assert_clean_error(process, fragment)
+
+
+def test_fp16_on_a_cpu_without_fp16_kernels_is_refused():
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        pytest.skip("this CPU has fp16 kernels: --precision fp16 is valid here")
+    process = run([PYTHON, SCRIPT, *SMALL, "--device", "cpu", "--precision", "fp16"], env=LAUNCHED, check=False,
+                  timeout=120)
+    assert_clean_error(process, "--precision fp16 is not supported on this cpu")
+
+
+def test_started_without_the_launcher_says_how_to_launch():
+    process = run([PYTHON, SCRIPT, *SMALL], check=False, timeout=120)
+    assert_clean_error(process, "deepspeed --num_gpus N multi-gpu-deepspeed-cls.py")
+
+
+def test_memory_estimate_for_each_stage_and_offload():
+    output = run([PYTHON, SCRIPT, "--model", "tiny", "--estimate-memory", "4", "2"], timeout=120).stdout
+    assert "2 machine(s) x 4 GPU(s)" in output
+    rows = [line.split() for line in output.splitlines() if line.strip()[:1].isdigit()]
+    per_gpu = {(stage, offload): float(value) for stage, offload, value, unit, *_ in rows}
+    assert list(per_gpu) == [("0", "none"), ("1", "none"), ("2", "none"), ("2", "optimizer"), ("3", "none"),
+                             ("3", "optimizer"), ("3", "optimizer+param")]
+    # Each stage partitions more, and offloading moves more off the GPU.
+    assert per_gpu["0", "none"] > per_gpu["1", "none"] > per_gpu["2", "none"] > per_gpu["2", "optimizer"]
+    assert per_gpu["3", "none"] > per_gpu["3", "optimizer"] > per_gpu["3", "optimizer+param"]
