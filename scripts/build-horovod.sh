@@ -6,7 +6,7 @@
 # wheel with Gloo (CPU processes, and the controller everywhere) plus, for a CUDA build of torch
 # on a machine with the CUDA toolkit (nvcc), NCCL operations for GPU tensors. The wheel is cached
 # per Horovod, torch and Python version and GPU support, so later installs take seconds instead
-# of ~10 minutes (2 cores).
+# of minutes (2 on a quiet 2-core machine, 10+ on a busy one).
 #
 # Usage: scripts/build-horovod.sh PYTHON   (the virtual environment's python, torch installed)
 # Environment: HOROVOD_WHEEL_CACHE   where the wheel is kept (default ~/.cache/distributed-nlp-suite/...)
@@ -46,7 +46,7 @@ if ! compgen -G "$cache/$wheel_pattern" >/dev/null; then
 
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    echo "Building Horovod $version against torch $torch_version (${gpu_operations:-CPU only}; about 10 minutes on 2 cores)..."
+    echo "Building Horovod $version against torch $torch_version (${gpu_operations:-CPU only}; a few minutes)..."
     "$python" -m pip download --quiet --no-deps --no-binary :all: --dest "$work" "horovod==$version" \
         || fail "could not download the Horovod $version source distribution from PyPI"
     tar -xzf "$work/horovod-$version.tar.gz" -C "$work"

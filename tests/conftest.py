@@ -52,6 +52,18 @@ def assert_same_weights(a_dir, b_dir, atol=1e-4):
     assert worst < atol, f"largest weight difference {worst:g} exceeds {atol:g}"
 
 
+def predict_dev_accuracy(output_dir):
+    """Run predict.py on the SMALL dev texts with the model in `output_dir`; return its accuracy."""
+    import common
+    _, dev = common.split_records(common.load_records(ROOT / "data" / "train.json"), 400, 0.2, 123)
+    texts_file = Path(output_dir) / "dev.txt"
+    texts_file.write_text("\n".join(text for text, _ in dev), encoding="utf-8")
+    lines = run([PYTHON, "predict.py", "--checkpoint", str(Path(output_dir) / "model"), "--file", str(texts_file)]
+                ).stdout.strip().splitlines()
+    assert len(lines) == len(dev)
+    return sum(line.split("\t")[0] == common.LABELS[label] for line, (_, label) in zip(lines, dev)) / len(dev)
+
+
 @pytest.fixture(scope="session")
 def single_reference(tmp_path_factory):
     """single-gpu-cls.py at batch 32, shuffling and dropout off: what distributed runs must equal."""

@@ -2,7 +2,7 @@
 import torch
 
 import common
-from conftest import PYTHON, ROOT, SMALL, load_weights, read_result, run
+from conftest import PYTHON, ROOT, SMALL, load_weights, predict_dev_accuracy, read_result, run
 
 RESULT_KEYS = {"strategy", "launcher", "world_size", "device", "model", "precision", "batch_size_per_process",
                "global_batch_size", "epochs", "train_seconds", "samples_per_second", "peak_memory_mb",
@@ -43,14 +43,7 @@ def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
 def test_predict_reads_a_file_and_matches_the_dev_accuracy(tmp_path):
     """predict.py on the dev texts agrees with the accuracy the run reported."""
     run([PYTHON, "single-gpu-cls.py", *SMALL, "--output-dir", str(tmp_path)])
-    _, dev = common.split_records(common.load_records(ROOT / "data" / "train.json"), 400, 0.2, 123)
-    texts_file = tmp_path / "dev.txt"
-    texts_file.write_text("\n".join(text for text, _ in dev), encoding="utf-8")
-    lines = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path / "model"), "--file", str(texts_file)]
-                ).stdout.strip().splitlines()
-    assert len(lines) == len(dev)
-    correct = sum(line.split("\t")[0] == common.LABELS[label] for line, (_, label) in zip(lines, dev))
-    assert abs(correct / len(dev) - read_result(tmp_path)["dev_accuracy"]) < 1e-9
+    assert abs(predict_dev_accuracy(tmp_path) - read_result(tmp_path)["dev_accuracy"]) < 1e-9
 
 
 def test_auto_falls_back_to_the_tiny_model_with_a_banner(tmp_path):
