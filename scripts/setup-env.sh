@@ -12,7 +12,11 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     echo "Installing the pinned dependencies into $venv ..."
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.txt
+    if ! "$venv/bin/python" -m pip install --disable-pip-version-check -r requirements.txt > "$venv/pip-install.log" 2>&1; then
+        tail -n 30 "$venv/pip-install.log" >&2
+        echo "error: installing requirements.txt failed (full log: $venv/pip-install.log)" >&2
+        exit 1
+    fi
     # Horovod is optional for every other strategy: a failed build is reported, not fatal.
     if ! bash scripts/build-horovod.sh "$venv/bin/python"; then
         echo "warning: Horovod is not installed; multi-gpu-horovod-cls.py will not run (see README)" >&2

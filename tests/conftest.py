@@ -4,8 +4,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +64,26 @@ def predict_dev_accuracy(output_dir):
                 ).stdout.strip().splitlines()
     assert len(lines) == len(dev)
     return sum(line.split("\t")[0] == common.LABELS[label] for line, (_, label) in zip(lines, dev)) / len(dev)
+
+
+def processes_mentioning(marker):
+    """The running processes whose command line mentions `marker` (a test's own output folder)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in process.info["cmdline"] or []):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def assert_no_process_left(marker):
+    """No process of the job is left running (allowing a few seconds to exit)."""
+    deadline = time.monotonic() + 10
+    while processes_mentioning(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(marker) == [], "orphan processes left running"
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, read_result, run
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, read_result, run
 
 # 2 processes at batch 16 see the same global batches as single-gpu-cls.py at 32 (single_reference).
 EQUIVALENT = [*SMALL, "--no-shuffle", "--dropout", "0", "--batch-size", "16"]
@@ -130,6 +130,7 @@ def assert_failure_names_rank_1(command, tmp_path):
     assert time.monotonic() - start < 120, "the job took too long to stop after rank 1 failed"
     assert "error: rank 1 failed: RuntimeError: failure injected" in process.stderr
     assert not (tmp_path / "result.json").exists()
+    assert_no_process_left(str(tmp_path))
     return process.stderr
 
 

@@ -6,27 +6,16 @@ import socket
 import subprocess
 import time
 
-import psutil
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, read_result, require, run
+from conftest import (BIN, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, read_result,
+                      require, run)
 
 EQUIVALENCE = [*SMALL, "--no-shuffle", "--dropout", "0"]
 
 
 def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def processes_mentioning(marker):
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        try:
-            if any(marker in part for part in process.info["cmdline"] or []):
-                found.append(process)
-        except psutil.Error:
-            continue
-    return found
 
 
 @pytest.mark.parametrize("launch", ["single", "ddp"])
@@ -71,13 +60,6 @@ def start_long_run(launch, output_dir):
                "--no-group-by-length", "--output-dir", str(output_dir)]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-
-
-def assert_no_process_left(marker):
-    deadline = time.monotonic() + 10
-    while processes_mentioning(marker) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert processes_mentioning(marker) == [], "orphan processes left running"
 
 
 @pytest.mark.parametrize("launch, how", [("torchrun", "sigterm-to-launcher"), ("torchrun", "ctrl-c-to-group"),
