@@ -45,7 +45,15 @@ transformers.logging.disable_progress_bar()
 
 
 class UserError(Exception):
-    """A problem the user can fix (bad data, missing model, wrong launch): reported in one line."""
+    """A problem the user can fix (bad data, missing model, wrong launch): reported in one line.
+
+    Most are found by every process alike, and rank 0 speaks for all; one that only some processes
+    meet (`only_this_rank=True`) is reported by each of them.
+    """
+
+    def __init__(self, message, only_this_rank=False):
+        super().__init__(message)
+        self.only_this_rank = only_this_rank
 
 
 def run(main):
@@ -56,7 +64,7 @@ def run(main):
     try:
         main()
     except UserError as error:
-        if rank == 0 or not is_same_on_all_ranks(error):
+        if rank == 0 or error.only_this_rank:
             print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
@@ -66,11 +74,6 @@ def run(main):
         traceback.print_exc()
         print(f"error: rank {rank} failed: {type(error).__name__}: {error}", file=sys.stderr)
         sys.exit(1)
-
-
-def is_same_on_all_ranks(error):
-    # Input errors are found by every rank alike; rank 0 speaks for all of them.
-    return getattr(error, "same_on_all_ranks", True)
 
 
 def current_rank():
@@ -152,7 +155,7 @@ def resolve_device(choice, local_rank=0):
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
         raise UserError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
-                        "start at most that many processes per machine")
+                        "start at most that many processes per machine", only_this_rank=True)
     return torch.device("cuda", local_rank)
 
 
