@@ -4,10 +4,14 @@
     python benchmark.py --only single,ddp,deepspeed --repeat 3
     python benchmark.py --global-batch 64             # the same global batch for every strategy
     python benchmark.py --max-samples 2000 --lr 5e-4  # options it does not know go to every script
+    python benchmark.py --precision bf16              # mixed precision wherever a strategy offers it
 
 Each strategy trains with the same model, data, seed, learning rate, epochs and batch per device
 (per process; DataParallel's one process gets it times its GPUs), so the global batch grows with
-the devices, unless --global-batch asks for the same global batch for all. Every launch writes
+the devices, unless --global-batch asks for the same global batch for all. Every row trains in
+fp32 except ddp-amp, whose point is mixed precision, unless --precision asks for another for every
+strategy that offers one. Each process takes an equal share of the machine's cores (the scripts'
+thread policy), whatever its launcher sets. Every launch writes
 its result.json under <output-dir>/<strategy>/ and its whole output to <output-dir>/<strategy>.log;
 the runner reads the result files and writes the comparison as benchmark.md, benchmark.json and
 benchmark.png in <output-dir>.
@@ -117,6 +121,7 @@ class Entry:
     launch: Callable[[str, int, int], list]
     needs: str | None = None     # a Python module the strategy cannot run without
     splits_batch: bool = False   # one process splits its --batch-size over its GPUs (DataParallel)
+    mixed_precision: bool = False  # the script takes --precision
 
 
 STRATEGIES = {entry.name: entry for entry in [
@@ -124,10 +129,12 @@ STRATEGIES = {entry.name: entry for entry in [
     Entry("dataparallel", "multi-gpu-dataparallel-cls.py", "python", launch_dataparallel, splits_batch=True),
     Entry("ddp", "multi-gpu-distributed-cls.py", "torchrun", launch_torchrun),
     Entry("ddp-spawn", "multi-gpu-distributed-mp-cls.py", "python (mp.spawn)", launch_spawn),
-    Entry("ddp-amp", "multi-gpu-distributed-mp-amp-cls.py", "python (mp.spawn)", launch_spawn),
+    Entry("ddp-amp", "multi-gpu-distributed-mp-amp-cls.py", "python (mp.spawn)", launch_spawn, mixed_precision=True),
     Entry("horovod", "multi-gpu-horovod-cls.py", "horovodrun", launch_horovodrun, needs="horovod"),
-    Entry("deepspeed", "multi-gpu-deepspeed-cls.py", "deepspeed", launch_deepspeed, needs="deepspeed"),
-    Entry("accelerate", "multi-gpu-accelerate-cls.py", "accelerate launch", launch_accelerate, needs="accelerate"),
+    Entry("deepspeed", "multi-gpu-deepspeed-cls.py", "deepspeed", launch_deepspeed, needs="deepspeed",
+          mixed_precision=True),
+    Entry("accelerate", "multi-gpu-accelerate-cls.py", "accelerate launch", launch_accelerate, needs="accelerate",
+          mixed_precision=True),
 ]}
 
 
@@ -166,6 +173,10 @@ def parse_args():
                              "one process gets it times its GPUs")
     parser.add_argument("--global-batch", type=int,
                         help="the same global batch for all: per-device batch = N / devices")
+    parser.add_argument("--precision", choices=common.PRECISIONS,
+                        help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate); the "
+                             "others stay in fp32 (default: the scripts' own: fp32, and for ddp-amp fp16 on GPUs, "
+                             "bf16 on CPU)")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds one launch may take before it is killed (default: %(default)g)")
     parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
@@ -228,6 +239,8 @@ def script_options(args, entry, run_dir, model, gpus):
         options += ["--max-samples", str(args.max_samples)]
     if args.epochs:
         options += ["--epochs", str(args.epochs)]
+    if args.precision and entry.mixed_precision:
+        options += ["--precision", args.precision]
     return options + batch_options(args, entry, gpus) + args.passthrough
 
 
@@ -337,7 +350,9 @@ def summarize(runs):
         "launcher": chosen["launcher"],
         "processes": chosen["world_size"],
         "device": chosen["device"],
+        "threads_per_process": chosen["threads_per_process"],
         "precision": chosen["precision"],
+        "precision_native": chosen["precision_native"],
         "model": chosen["model"],
         "global_batch": chosen["global_batch_size"],
         "batch_per_process": chosen["batch_size_per_process"],
@@ -345,6 +360,8 @@ def summarize(runs):
         "epochs": chosen["epochs"],
         "train_seconds": chosen["train_seconds"],
         "samples_per_second": chosen["samples_per_second"],
+        "tokens_per_sample": chosen["tokens_per_sample"],
+        "padded_tokens_per_sample": chosen["padded_tokens_per_sample"],
         "peak_memory_mb": chosen["peak_memory_mb"],
         "dev_accuracy": chosen["dev_accuracy"],
         "dev_macro_f1": chosen["dev_macro_f1"],
@@ -381,8 +398,11 @@ def cpu_model():
 def describe_machine():
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     counted = ", ".join(f"{gpus.count(name)} x {name}" for name in dict.fromkeys(gpus)) or "no GPU"
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "gpus": gpus,
-            "summary": f"{cpu_model()}, {os.cpu_count()} cores, {counted}"}
+    cores = common.usable_cores()
+    native = [p for p in ("bf16", "fp16") if common.computes_natively(p, torch.device("cpu"))]
+    cpu = f"{cpu_model()} ({', '.join(native) + ' native' if native else 'no native bf16/fp16'})"
+    return {"cpu": cpu_model(), "cores": cores, "cpu_native_16bit": native, "gpus": gpus,
+            "summary": f"{cpu}, {cores} usable cores, {counted}"}
 
 
 def library_versions():
@@ -409,8 +429,8 @@ def resolve_model(choice):
 
 # ----------------------------------------------------------------------------- the report
 
-COLUMNS = ["strategy", "launcher", "processes", "device", "precision", "global batch", "train s", "samples/s",
-           "speed-up", "peak MB", "dev acc", "macro-F1", "dev n", "wall s", "status"]
+COLUMNS = ["strategy", "launcher", "processes", "threads", "device", "precision", "global batch", "train s",
+           "samples/s", "speed-up", "tokens+pad", "peak MB", "dev acc", "macro-F1", "dev n", "wall s", "status"]
 
 
 def spread(row, key, repeat):
@@ -422,12 +442,20 @@ def cells(row, repeat):
     if row["status"] != "ok":
         reason = row["reason"] if len(row["reason"]) <= 160 else row["reason"][:157] + "..."
         wall = f"{row['wall_seconds']:.1f}" if "wall_seconds" in row else ""
-        return [row["strategy"], row["launcher"]] + [""] * 11 + [wall, f"{row['status']}: {reason}"]
-    return [row["strategy"], row["launcher"], str(row["processes"]), row["device"], row["precision"],
-            str(row["global_batch"]), spread(row, "train_seconds", repeat), f"{row['samples_per_second']:.1f}",
-            f"{row['speedup']:.2f}x" if row["speedup"] is not None else "n/a", f"{row['peak_memory_mb']:.0f}",
+        return [row["strategy"], row["launcher"]] + [""] * (len(COLUMNS) - 4) + [wall, f"{row['status']}: {reason}"]
+    return [row["strategy"], row["launcher"], str(row["processes"]), str(row["threads_per_process"]), row["device"],
+            precision_label(row), str(row["global_batch"]), spread(row, "train_seconds", repeat),
+            f"{row['samples_per_second']:.1f}", f"{row['speedup']:.2f}x" if row["speedup"] is not None else "n/a",
+            f"{row['tokens_per_sample']:.1f}+{row['padded_tokens_per_sample']:.1f}", f"{row['peak_memory_mb']:.0f}",
             f"{row['dev_accuracy']:.4f}", f"{row['dev_macro_f1']:.4f}", str(row["dev_samples"]),
             spread(row, "wall_seconds", repeat), "ok"]
+
+
+def precision_label(row):
+    """The row's precision, marked when the device only emulates it: such a row measures the emulation."""
+    if row["precision_native"]:
+        return row["precision"]
+    return f"{row['precision']}, emulated on this {'GPU' if row['device'].startswith('cuda') else 'CPU'}"
 
 
 def header_lines(report):
@@ -438,16 +466,20 @@ def header_lines(report):
     batch = (f"global batch {report['global_batch']} for all" if report["global_batch"]
              else "the same batch per device for all, so the global batch grows with the devices")
     data = f"{done[0]['train_samples']} train samples, {done[0]['epochs']} epoch(s), " if done else ""
-    lines.append(f"runs: {data}{batch}, --nprocs {report['nprocs']}, "
+    precision = (f"--precision {report['precision']} where a strategy offers it, else fp32" if report["precision"]
+                 else "fp32 except ddp-amp")
+    lines.append(f"runs: {data}{batch}, {precision}, --nprocs {report['nprocs']}, "
                  f"{report['repeat']} launch(es) per strategy" +
                  (" (median run shown, min-max in brackets)" if report["repeat"] > 1 else "") +
                  f", finished {report['finished']}")
     return lines
 
 
-LEGEND = ("train s: the training loop only (rank 0); wall s: the whole launch, start-up included. "
-          "speed-up: samples/s over the single-device run's. peak MB: GPU memory allocated by torch "
-          "on CUDA, else peak resident memory of rank 0. dev n: dev samples evaluated.")
+LEGEND = ("threads: torch threads per process. train s: the training loop only (rank 0); wall s: the whole "
+          "launch, start-up included. speed-up: samples/s over the single-device run's. tokens+pad: real tokens "
+          "and padding computed per training sample. peak MB: GPU memory allocated by torch on CUDA, else peak "
+          "resident memory of rank 0. dev n: dev samples evaluated. A precision 'emulated' is computed in "
+          "software by this device: the row measures the emulation, not mixed precision.")
 
 
 def markdown(report):
@@ -545,6 +577,7 @@ def main():
         "repeat": args.repeat,
         "spread": "min-max over the repeats; the row is the run with the median training time",
         "global_batch": args.global_batch,
+        "precision": args.precision,
         "passthrough": args.passthrough,
         "output_dir": relative(args.output_dir),
         "started": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -9,6 +9,7 @@ import collections
 import contextlib
 import itertools
 import json
+import math
 import os
 import random
 import resource
@@ -28,8 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from sklearn.metrics import accuracy_score, classification_report, f1_score
-from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent
@@ -37,6 +37,9 @@ LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
 HUB_MODEL_ID = "hfl/chinese-bert-wwm-ext"
 LOCAL_MODEL_DIR = ROOT / "model_hub" / "chinese-bert-wwm-ext"
 DEFAULT_LR = {"tiny": 1e-3, "pretrained": 3e-5}
+PRECISIONS = ["fp32", "bf16", "fp16"]
+# CPU flags of native 16-bit arithmetic (/proc/cpuinfo); without them torch emulates the type in fp32.
+NATIVE_CPU_FLAGS = {"bf16": {"avx512_bf16", "amx_bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}
 # Tests inject a crash with "RANK:STEP" to check that a failing rank ends the whole job.
 FAIL_AT_ENV = "SUITE_FAIL_AT"
 
@@ -110,6 +113,9 @@ def build_parser(script_file, description):
     parser.add_argument("--output-dir", default=str(ROOT / "output" / stem))
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads per process; None = the cores this process may use, shared "
+                             "equally by the processes on this machine, whatever the launcher set")
     parser.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
                         help="batch texts of similar length together: 2x faster here, same accuracy "
                              "(benchmarks/pipeline.py)")
@@ -128,6 +134,13 @@ def add_distributed_args(parser):
                         help="seconds a collective call may wait for the other processes before failing")
 
 
+def add_precision_arg(parser, default="fp32", default_help=None):
+    """The one precision option of every script that can train in mixed precision."""
+    parser.add_argument("--precision", choices=PRECISIONS, default=default,
+                        help="fp32, or mixed precision computing in bf16 or fp16 (fp16: GPUs only)"
+                             + (f"; None = {default_help}" if default_help else ""))
+
+
 def check_args(args):
     if args.max_samples < 2:
         raise UserError(f"--max-samples must be at least 2, got {args.max_samples}")
@@ -135,6 +148,8 @@ def check_args(args):
         raise UserError(f"--save-steps must be 0 or more, got {args.save_steps}")
     if not 0 < args.dev_ratio < 1:
         raise UserError(f"--dev-ratio must be between 0 and 1, got {args.dev_ratio}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be at least 1, got {args.threads}")
     for name in ("epochs", "batch_size", "max_seq_len", "log_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -157,6 +172,68 @@ def resolve_device(choice, local_rank=0):
         raise UserError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
                         "start at most that many processes per machine", only_this_rank=True)
     return torch.device("cuda", local_rank)
+
+
+def check_precision(precision, device):
+    """Refuse, in one line, a precision the device cannot train in."""
+    if precision == "fp16" and device.type == "cpu":
+        raise UserError("--precision fp16 needs a GPU (CPUs emulate fp16, many times slower than fp32); "
+                        "on CPU use --precision bf16 or fp32")
+    if precision == "bf16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        raise UserError(f"--precision bf16 needs a GPU from Ampere on; {torch.cuda.get_device_name(device)} "
+                        "has no bf16: use --precision fp16 or fp32")
+
+
+def computes_natively(precision, device):
+    """Whether the hardware computes `precision` itself. torch has no query for CPUs: read their flags.
+    GPUs: bf16 from Ampere (compute capability 8), fp16 tensor cores from Volta (7)."""
+    if precision == "fp32":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= (8 if precision == "bf16" else 7)
+    return bool(NATIVE_CPU_FLAGS[precision] & cpu_flags())
+
+
+def cpu_flags():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def usable_cores():
+    """The cores this process may run on: its CPU affinity, capped by the container's CPU quota.
+    os.cpu_count() counts the whole machine's."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, int(quota))) if quota else cores
+
+
+def cgroup_cpu_quota(root=Path("/sys/fs/cgroup")):
+    """The container's CPU quota in cores (cgroup v2, else v1), or None when there is none."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def set_threads(requested, processes_on_this_machine):
+    """The suite's one thread policy: each process gets an equal share of the usable cores (or
+    --threads), whatever OMP_NUM_THREADS the launcher set (torchrun sets 1, spawn nothing), so that
+    rows differ by strategy, not by thread count. More threads than cores make them wait on each other."""
+    threads = requested or max(1, usable_cores() // processes_on_this_machine)
+    torch.set_num_threads(threads)
+    return threads
 
 
 # ----------------------------------------------------------------------------- data
@@ -212,8 +289,9 @@ class EncodedDataset(Dataset):
     def __len__(self):
         return len(self.labels)
 
-    def __getitem__(self, index):
-        return index, self.input_ids[index], self.labels[index]
+    def __getitem__(self, key):
+        index, weight = key  # GlobalBatchSampler hands out (index, loss weight) pairs
+        return index, self.input_ids[index], self.labels[index], weight
 
 
 class PadToLongest:
@@ -223,66 +301,97 @@ class PadToLongest:
         self.pad_id = pad_id
 
     def __call__(self, batch):
-        indices, sequences, labels = zip(*batch)
+        indices, sequences, labels, weights = zip(*batch)
         longest = max(len(ids) for ids in sequences)
         input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
         for row, ids in enumerate(sequences):
             input_ids[row, :len(ids)] = torch.tensor(ids)
             attention_mask[row, :len(ids)] = 1
-        return {"index": torch.tensor(indices), "input_ids": input_ids,
-                "attention_mask": attention_mask, "labels": torch.tensor(labels)}
+        return {"index": torch.tensor(indices), "input_ids": input_ids, "attention_mask": attention_mask,
+                "labels": torch.tensor(labels), "weight": torch.tensor(weights, dtype=torch.float32)}
 
 
-class LengthGroupedSampler(DistributedSampler):
-    """DistributedSampler whose global batches hold texts of similar length.
+class GlobalBatchSampler(Sampler):
+    """Cuts each epoch into global batches (the samples of one optimizer step, over all processes)
+    and yields this process's share of each, as lists of (dataset index, loss weight).
 
-    Each epoch: shuffle, cut into chunks of 50 global batches, sort each chunk by length, then
-    shuffle the order of the global batches. Every process then takes its share of each global
-    batch as DistributedSampler does, so sharding works unchanged.
+    The loss-weighting rule every strategy follows: each sample weighs 1 / (samples in its global
+    batch), whichever process holds it, so the processes' weighted sums add up to the mean over the
+    global batch, exactly as on one device. When the short last global batch does not split evenly,
+    the processes with one sample fewer get a repeat of weight 0: every process runs the same number
+    of batches (a collective never waits for a process that has finished), and no sample counts twice.
+
+    Shuffled, each epoch is reordered with seed + epoch (the same order in every process); with
+    length grouping, texts of similar length share a global batch, and the short last batch stays
+    last so that every other batch is full.
     """
 
-    def __init__(self, dataset, global_batch_size, **kwargs):
-        super().__init__(dataset, **kwargs)
-        self.lengths = [len(ids) for ids in dataset.input_ids]
-        self.global_batch_size = global_batch_size
+    def __init__(self, lengths, batch_size, num_replicas=1, rank=0, shuffle=True, group_by_length=True, seed=0):
+        self.lengths, self.batch_size, self.num_replicas, self.rank = lengths, batch_size, num_replicas, rank
+        self.shuffle, self.group_by_length, self.seed, self.epoch = shuffle, group_by_length, seed, 0
+        self.global_batch_size = batch_size * num_replicas
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return math.ceil(len(self.lengths) / self.global_batch_size)
+
+    def global_batch_sizes(self):
+        """Samples in each global batch of an epoch, in order (the same for every epoch)."""
+        full, rest = divmod(len(self.lengths), self.global_batch_size)
+        return [self.global_batch_size] * full + [rest] * bool(rest)
+
+    def global_batches(self):
+        size, count = self.global_batch_size, len(self.lengths)
+        order = list(range(count))
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(count, generator=generator).tolist()
+        if self.shuffle and self.group_by_length:
+            # Sort chunks of 50 global batches by length, then shuffle the order of the full batches.
+            chunk = 50 * size
+            order = [i for start in range(0, count, chunk)
+                     for i in sorted(order[start:start + chunk], key=self.lengths.__getitem__, reverse=True)]
+        batches = [order[start:start + size] for start in range(0, count, size)]
+        if self.shuffle and self.group_by_length:
+            full = count // size
+            batches = [batches[b] for b in torch.randperm(full, generator=generator).tolist()] + batches[full:]
+        return batches
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.lengths), generator=generator).tolist()
-        chunk = 50 * self.global_batch_size
-        order = [i for start in range(0, len(order), chunk)
-                 for i in sorted(order[start:start + chunk], key=self.lengths.__getitem__, reverse=True)]
-        batches = [order[i:i + self.global_batch_size] for i in range(0, len(order), self.global_batch_size)]
-        shuffled = torch.randperm(len(batches), generator=generator).tolist()
-        order = [i for b in shuffled for i in batches[b]]
-        order += order[:self.total_size - len(order)]
-        return iter(order[self.rank:self.total_size:self.num_replicas])
+        for batch in self.global_batches():
+            share = batch[self.rank::self.num_replicas]
+            weight = 1 / len(batch)
+            repeats = math.ceil(len(batch) / self.num_replicas) - len(share)
+            yield [(index, weight) for index in share] + [(batch[0], 0.0)] * repeats
 
 
-def train_sampler(dataset, args, num_replicas=1, rank=0, global_batch_size=None):
-    """The training sampler: this process's share of a shuffled (or fixed) order, reshuffled per epoch.
-
-    `global_batch_size` (default: batch size x num_replicas) is the batch that length grouping
-    groups; a loader that a library shards afterwards (Accelerate) passes its own.
-    """
-    if args.group_by_length and not args.no_shuffle:
-        return LengthGroupedSampler(dataset, global_batch_size or args.batch_size * num_replicas,
-                                    num_replicas=num_replicas, rank=rank, seed=args.seed)
-    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
-                              shuffle=not args.no_shuffle, seed=args.seed)
+def train_sampler(dataset, args, num_replicas=1, rank=0):
+    """The training sampler: this process's share of every global batch, reshuffled per epoch."""
+    return GlobalBatchSampler([len(ids) for ids in dataset.input_ids], args.batch_size, num_replicas, rank,
+                              shuffle=not args.no_shuffle, group_by_length=args.group_by_length, seed=args.seed)
 
 
-def eval_sampler(dataset, num_replicas=1, rank=0):
-    """Dev samples in order, split over processes; the last shard is padded with repeats, which the
-    Trainer drops again by sample index."""
-    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+def eval_sampler(dataset, args, num_replicas=1, rank=0):
+    """Dev samples in order, split over processes; the repeats that even out the last batch weigh 0,
+    and evaluation drops them."""
+    return GlobalBatchSampler([len(ids) for ids in dataset.input_ids], args.batch_size, num_replicas, rank,
+                              shuffle=False)
 
 
-def make_loader(dataset, args, tokenizer, sampler):
-    return DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                      collate_fn=PadToLongest(tokenizer.pad_token_id), num_workers=args.num_workers,
-                      pin_memory=torch.cuda.is_available())
+def make_loader(dataset, args, tokenizer, batch_sampler):
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=PadToLongest(tokenizer.pad_token_id),
+                      num_workers=args.num_workers, pin_memory=torch.cuda.is_available())
+
+
+def each_sample_once(indices, weights, *columns):
+    """Keep the real samples of gathered evaluation outputs (weight > 0), in dataset order; the
+    repeats that evened out the processes' batches weigh 0."""
+    real = weights > 0
+    order = np.argsort(indices[real], kind="stable")
+    return (indices[real][order], *(column[real][order] for column in columns))
 
 
 # ----------------------------------------------------------------------------- model
@@ -388,8 +497,9 @@ class Strategy:
     name = "single-device"
     launcher = "python"
 
-    def __init__(self, device, rank=0, world_size=1, precision="fp32"):
+    def __init__(self, device, rank=0, world_size=1, precision="fp32", local_world_size=1):
         self.device, self.rank, self.world_size, self.precision = device, rank, world_size, precision
+        self.local_world_size = local_world_size  # processes on this machine, which share its cores
 
     @property
     def is_main(self):
@@ -450,11 +560,6 @@ class Strategy:
 class TorchDistributed(Strategy):
     """Logging and evaluation collectives over torch.distributed (DDP and DeepSpeed use it)."""
 
-    def __init__(self, device, rank, world_size, local_world_size, precision="fp32"):
-        super().__init__(device, rank, world_size, precision)
-        if device.type == "cpu":
-            share_cpu_cores(local_world_size)
-
     def reduce_mean(self, tensor):
         # SUM then divide by the world size: ReduceOp.AVG exists only on NCCL.
         tensor = tensor.clone()
@@ -472,13 +577,6 @@ def backend_for(device):
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def share_cpu_cores(processes_on_this_machine):
-    """Give each CPU process its share of the cores. More threads than cores make PyTorch's
-    threads wait on each other: two 2-thread processes on 2 cores run many times slower."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_on_this_machine))
-
-
 # ----------------------------------------------------------------------------- training
 
 class Trainer:
@@ -489,6 +587,8 @@ class Trainer:
         self.tokenizer, self.train_loader, self.dev_loader = tokenizer, train_loader, dev_loader
         self.model_name, self.lr = model_name, lr
         self.output_dir = Path(args.output_dir)
+        self.threads = set_threads(args.threads, strategy.local_world_size)
+        self.native_precision = computes_natively(strategy.precision, strategy.device)
 
     def log(self, message):
         if self.strategy.is_main:
@@ -498,22 +598,31 @@ class Trainer:
         return {key: value.to(self.strategy.device, non_blocking=True) for key, value in batch.items()}
 
     def forward(self, batch):
-        """Logits and the mean loss over this process's batch (computed here, not inside the model,
-        so that every strategy averages the same way)."""
+        """Logits, and this process's part of the global batch's mean loss (computed here, not inside
+        the model, so that every strategy weighs samples the same way)."""
         with self.strategy.autocast():
             logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return logits, F.cross_entropy(logits.float(), batch["labels"])
+        per_sample = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+        # The loss-weighting rule (see GlobalBatchSampler): weighted by 1 / (samples in the global
+        # batch), the processes' sums add up to the single-device mean. Every library here averages
+        # the gradients over the processes; multiplying by their count turns that average into the sum.
+        return logits, (per_sample * batch["weight"]).sum() * self.strategy.world_size
 
     def fit(self):
         """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
-        self.log(f"model: {self.model_name} | learning rate: {self.lr:g} | processes: {self.strategy.world_size} | "
-                 f"global batch: {self.strategy.global_batch_size(self.args.batch_size)} | "
-                 f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)}")
+        strategy = self.strategy
+        self.log(f"model: {self.model_name} | learning rate: {self.lr:g} | processes: {strategy.world_size} | "
+                 f"global batch: {strategy.global_batch_size(self.args.batch_size)} | "
+                 f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)} | "
+                 f"threads per process: {self.threads}")
+        if not self.native_precision:
+            self.log(f"note: this {strategy.device.type} has no native {strategy.precision}: torch emulates it, "
+                     f"slower than fp32 here (where the hardware has it, mixed precision is faster)")
         first_step = self.resume_step()
-        train_seconds, step, last_loss = self.train(first_step)
+        progress = self.train(first_step)
         metrics = self.evaluate()
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
-        result = self.result(train_seconds, step, last_loss, metrics)
+        result = self.result(progress, metrics)
         result["resumed_from_step"] = first_step
         if self.strategy.is_main:
             self.report(result, metrics)
@@ -532,100 +641,116 @@ class Trainer:
         return step
 
     def train(self, first_step=0):
-        """The training loop; returns (seconds, steps done, last logged loss)."""
+        """The training loop; returns what it did: seconds, steps, samples and tokens, last loss."""
         args, strategy = self.args, self.strategy
+        sampler = self.train_loader.batch_sampler
         steps_per_epoch = len(self.train_loader)
         total_steps = steps_per_epoch * args.epochs
+        global_batch_sizes = sampler.global_batch_sizes()
         fail_rank, fail_step = parse_fail_at(os.environ.get(FAIL_AT_ENV))
         progress = tqdm(total=total_steps, initial=first_step, disable=not strategy.is_main, mininterval=1,
                         dynamic_ncols=True)
-        step, eval_seconds = first_step, 0.0
+        step, paused_seconds, samples = first_step, 0.0, 0
+        tokens = torch.zeros(2, dtype=torch.float64)  # real and computed (padding included), this process
         loss_sum = torch.zeros((), device=strategy.device)
         losses_summed, last_loss = 0, float("nan")
+        reset_peak_memory(strategy.device)
         synchronize(strategy.device)
         start = time.perf_counter()
         for epoch in range(first_step // steps_per_epoch + 1, args.epochs + 1):
-            # A new shuffle each epoch, the same in every process. A loader prepared by Accelerate
-            # has its own set_epoch, which reaches the sampler it wraps.
-            (getattr(self.train_loader, "set_epoch", None) or self.train_loader.sampler.set_epoch)(epoch)
+            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
             self.model.train()
             # On resume, pass over the batches the checkpoint has already trained on.
             done_this_epoch = max(0, first_step - (epoch - 1) * steps_per_epoch)
-            for batch in itertools.islice(self.train_loader, done_this_epoch, None):
+            for batch_number, batch in enumerate(itertools.islice(self.train_loader, done_this_epoch, None),
+                                                 done_this_epoch):
+                tokens += count_tokens(batch)
                 batch = self.to_device(batch)
                 _, loss = self.forward(batch)
                 strategy.backward(loss)
                 strategy.step(self.model, self.optimizer)
                 step += 1
+                samples += global_batch_sizes[batch_number]
                 if step == fail_step and strategy.rank == fail_rank:
                     raise RuntimeError(f"failure injected by {FAIL_AT_ENV} at step {step}")
                 loss_sum += loss.detach()
                 losses_summed += 1
                 progress.update()
                 if step % args.log_steps == 0 or step == total_steps:
-                    # The only host sync of a step, and only on logging steps.
+                    # A host sync, on logging steps only.
                     last_loss = strategy.reduce_mean(loss_sum / losses_summed).item()
                     loss_sum.zero_()
                     losses_summed = 0
                     self.log(f"【train】 epoch：{epoch}/{args.epochs} step：{step}/{total_steps} loss：{last_loss:.6f}")
                 if args.save_steps and step % args.save_steps == 0 and step != total_steps:
+                    pause = time.perf_counter()
                     strategy.save_state(self.model, self.optimizer, step, self.output_dir / "checkpoint")
+                    paused_seconds += time.perf_counter() - pause
                 if args.eval_steps and step % args.eval_steps == 0 and step != total_steps:
-                    eval_start = time.perf_counter()
+                    pause = time.perf_counter()
                     metrics = self.evaluate()
                     self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
                     self.model.train()
-                    eval_seconds += time.perf_counter() - eval_start
+                    paused_seconds += time.perf_counter() - pause
         synchronize(strategy.device)
+        seconds = time.perf_counter() - start - paused_seconds
         progress.close()
-        return time.perf_counter() - start - eval_seconds, step, last_loss
+        # The whole job's tokens: the sum over processes.
+        tokens = strategy.reduce_mean(tokens.to(strategy.device)).cpu() * strategy.world_size
+        return {"seconds": seconds, "steps": step, "samples": samples, "last_loss": last_loss,
+                "real_tokens": tokens[0].item(), "computed_tokens": tokens[1].item()}
 
     @torch.no_grad()
     def evaluate(self):
         """Dev metrics over every dev sample exactly once, whatever the number of processes."""
         self.model.eval()
-        indices, predictions, labels, losses = [], [], [], []
+        indices, weights, predictions, labels, losses = [], [], [], [], []
         for batch in self.dev_loader:
             batch = self.to_device(batch)
             logits, _ = self.forward(batch)
             indices.append(batch["index"])
+            weights.append(batch["weight"])
             predictions.append(logits.argmax(dim=-1))
             labels.append(batch["labels"])
             losses.append(F.cross_entropy(logits.float(), batch["labels"], reduction="none"))
         gathered = [self.strategy.gather(torch.cat(part)).cpu().numpy()
-                    for part in (indices, predictions, labels, losses)]
-        # Samplers pad the last shard with repeated samples; keep each dev sample once.
-        _, first = np.unique(gathered[0], return_index=True)
-        _, predictions, labels, losses = (part[first] for part in gathered)
-        if len(first) != len(self.dev_loader.dataset):
-            raise RuntimeError(f"evaluated {len(first)} of {len(self.dev_loader.dataset)} dev samples")
-        return {"samples": len(first), "loss": float(losses.mean()),
+                    for part in (indices, weights, predictions, labels, losses)]
+        indices, predictions, labels, losses = each_sample_once(*gathered)
+        if not np.array_equal(indices, np.arange(len(self.dev_loader.dataset))):
+            raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {len(self.dev_loader.dataset)} "
+                               f"dev samples in {len(indices)} predictions")
+        return {"samples": len(indices), "loss": float(losses.mean()),
                 "accuracy": float(accuracy_score(labels, predictions)),
                 "macro_f1": float(f1_score(labels, predictions, average="macro", labels=range(len(LABELS)),
                                            zero_division=0)),
                 "report": classification_report(labels, predictions, labels=range(len(LABELS)),
                                                 target_names=LABELS, digits=4, zero_division=0)}
 
-    def result(self, train_seconds, steps, last_loss, metrics):
+    def result(self, progress, metrics):
         args, strategy = self.args, self.strategy
-        train_samples = len(self.train_loader.dataset) * args.epochs
+        samples = max(progress["samples"], 1)
         return {
             "strategy": strategy.name,
             "launcher": strategy.launcher,
             "world_size": strategy.world_size,
             "device": device_description(strategy.device),
+            "threads_per_process": self.threads,
             "model": self.model_name,
             "precision": strategy.precision,
+            "precision_native": self.native_precision,
             "batch_size_per_process": args.batch_size,
             "global_batch_size": strategy.global_batch_size(args.batch_size),
             "epochs": args.epochs,
-            "steps": steps,
+            "steps": progress["steps"],
             "learning_rate": self.lr,
             "train_samples": len(self.train_loader.dataset),
-            "train_seconds": round(train_seconds, 3),
-            "samples_per_second": round(train_samples / train_seconds, 2),
+            "samples_trained": progress["samples"],
+            "train_seconds": round(progress["seconds"], 3),
+            "samples_per_second": round(progress["samples"] / progress["seconds"], 2),
+            "tokens_per_sample": round(progress["real_tokens"] / samples, 2),
+            "padded_tokens_per_sample": round((progress["computed_tokens"] - progress["real_tokens"]) / samples, 2),
             "peak_memory_mb": round(peak_memory_mb(strategy.device), 1),
-            "final_train_loss": last_loss,
+            "final_train_loss": progress["last_loss"],
             "dev_loss": metrics["loss"],
             "dev_accuracy": metrics["accuracy"],
             "dev_macro_f1": metrics["macro_f1"],
@@ -641,13 +766,21 @@ class Trainer:
               f"macro-F1：{metrics['macro_f1']:.4f}")
         print(metrics["report"])
         print(f"耗时：{result['train_seconds'] / 60:.2f}分钟")
-        print(f"strategy {result['strategy']} ({result['launcher']}, {result['world_size']} process(es), "
-              f"{result['device']}, {result['precision']}) | model {result['model']}")
+        precision = result["precision"] + ("" if result["precision_native"] else f" (emulated on this {self.strategy.device.type})")
+        print(f"strategy {result['strategy']} ({result['launcher']}, {result['world_size']} process(es) x "
+              f"{result['threads_per_process']} thread(s), {result['device']}, {precision}) | model {result['model']}")
         print(f"training loop only: {result['train_seconds']:.1f} s, {result['samples_per_second']:.1f} samples/s, "
+              f"{result['tokens_per_sample']:.1f} tokens + {result['padded_tokens_per_sample']:.1f} padding per sample, "
               f"peak memory {result['peak_memory_mb']:.0f} MB (rank 0)")
         print(f"dev: {result['dev_samples']} samples, accuracy {result['dev_accuracy']:.4f}, "
               f"macro-F1 {result['dev_macro_f1']:.4f}, loss {result['dev_loss']:.4f}")
         print(f"saved: {self.output_dir / 'model'} and {self.output_dir / 'result.json'}")
+
+
+def count_tokens(batch):
+    """Real tokens of the batch's real samples, and tokens computed (padding and repeats included)."""
+    real = batch["attention_mask"][batch["weight"] > 0].sum()
+    return torch.tensor([real.item(), batch["input_ids"].numel()], dtype=torch.float64)
 
 
 def parse_fail_at(value):
@@ -666,6 +799,11 @@ def device_description(device):
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     return "cpu"
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_mb(device):

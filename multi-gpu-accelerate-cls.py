@@ -10,8 +10,9 @@
         --main_process_ip MAIN_MACHINE_IP multi-gpu-accelerate-cls.py
 
 The Accelerator reads the ranks the launcher gives, picks each process's device, wraps the model
-in DistributedDataParallel, shards the data loaders and applies mixed precision, so the training
-loop is the single-device one. Without GPUs the same code runs CPU processes over gloo.
+in DistributedDataParallel and applies mixed precision, so the training loop is the single-device
+one. The data loaders are sharded as in the DDP script (step 3 says why not by Accelerate).
+Without GPUs the same code runs CPU processes over gloo.
 """
 import os
 from datetime import timedelta
@@ -26,9 +27,11 @@ import common
 class Accelerate(common.Strategy):
     name = "accelerate"
 
-    def __init__(self, accelerator, launcher):
-        precision = "fp32" if accelerator.mixed_precision == "no" else accelerator.mixed_precision
-        super().__init__(accelerator.device, accelerator.process_index, accelerator.num_processes, precision)
+    def __init__(self, accelerator, launcher, precision):
+        # The launchers (accelerate launch, torchrun) tell each process how many share its machine.
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        super().__init__(accelerator.device, accelerator.process_index, accelerator.num_processes, precision,
+                         local_world_size)
         self.accelerator, self.launcher = accelerator, launcher
 
     @property
@@ -42,9 +45,8 @@ class Accelerate(common.Strategy):
         return self.accelerator.reduce(tensor, "mean")
 
     def gather(self, tensor):
-        # The Trainer gathers once, after the dev loop, and keeps each sample index once: that drops
-        # the samples the prepared loader repeats to even out the last batch, as gather_for_metrics
-        # would if it were called on every batch.
+        # The Trainer gathers once, after the dev loop, and drops the repeats of weight 0 that even
+        # out the processes' last batches.
         return self.accelerator.gather(tensor)
 
     def unwrap(self, model):
@@ -64,9 +66,8 @@ def launcher_name():
 def main():
     parser = common.build_parser(__file__, __doc__)
     common.add_distributed_args(parser)
-    parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"],
-                        help="overrides accelerate launch's --mixed_precision and its config file; "
-                             "default: what those say, else 'no'")
+    common.add_precision_arg(parser, default=None,
+                             default_help="accelerate launch's --mixed_precision or config file, else fp32")
     args = common.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
@@ -74,31 +75,36 @@ def main():
     #    without GPUs, Accelerator() alone leaves each process on its own, training on all the data.
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     on_cpu = common.resolve_device(args.device, local_rank).type == "cpu"
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision=args.mixed_precision,
+    mixed_precision = {"fp32": "no"}.get(args.precision, args.precision)
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision,
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))])
     try:
         # 2. On CPU Accelerate accepts fp16 but silently trains in fp32: refuse rather than mislabel.
-        if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-            raise common.UserError("fp16 mixed precision needs a GPU; on CPU use --mixed-precision bf16 or no")
-        strategy = Accelerate(accelerator, launcher_name())
+        precision = {"no": "fp32"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
+        common.check_precision(precision, accelerator.device)
+        strategy = Accelerate(accelerator, launcher_name(), precision)
         accelerator.print(f"accelerate: {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
                           f"mixed precision {accelerator.mixed_precision}")
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
 
-        # 3. Every process builds the same loaders over all the data; prepare() then deals process i
-        #    the batches i, i + N, i + 2N, ...: N consecutive batches form one global batch, the same
-        #    samples DDP's DistributedSampler puts in it. Length grouping must group at that size.
-        global_batch_size = args.batch_size * accelerator.num_processes
-        train_loader = common.make_loader(train_set, args, tokenizer,
-                                          common.train_sampler(train_set, args, global_batch_size=global_batch_size))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set))
+        # 3. The loaders are sharded as in the DDP script, by this process's index, not by prepare().
+        #    prepare() would deal each process every N-th batch of one loader, and so that every
+        #    process gets as many batches as the others it fills a short last global batch with
+        #    samples from the start of the epoch (even_batches=True, its default): those train twice.
+        #    With even_batches=False the processes get different numbers of batches, and the one
+        #    with more waits forever in the gradient all-reduce. Our sampler evens them out with
+        #    repeats that weigh nothing.
+        train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(
+            train_set, args, accelerator.num_processes, accelerator.process_index))
+        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(
+            dev_set, args, accelerator.num_processes, accelerator.process_index))
         optimizer = common.make_optimizer(model, lr, args.weight_decay)
 
-        # 4. One call does the DDP script's set-up: moves the model to this process's device and wraps
-        #    it in DDP (and in autocast for mixed precision), wraps the optimizer (fp16 loss scaling)
-        #    and shards the loaders, which then put each batch on the device.
-        model, optimizer, train_loader, dev_loader = accelerator.prepare(model, optimizer, train_loader, dev_loader)
+        # 4. One call does the rest of the DDP script's set-up: moves the model to this process's
+        #    device and wraps it in DDP (and in autocast for mixed precision), and wraps the
+        #    optimizer (fp16 loss scaling).
+        model, optimizer = accelerator.prepare(model, optimizer)
 
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()

@@ -72,7 +72,7 @@ def main():
         model = DataParallel(model, device_ids=gpu_ids)
 
     train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))
-    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set))
+    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
     optimizer = common.make_optimizer(model, lr, args.weight_decay)
 
     trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)

@@ -1,6 +1,7 @@
 """Fine-tune Chinese BERT with DeepSpeed ZeRO: one process per GPU, started by the deepspeed launcher.
 
-    deepspeed --num_gpus 2 multi-gpu-deepspeed-cls.py                    # ZeRO stage 2, fp16 on GPUs
+    deepspeed --num_gpus 2 multi-gpu-deepspeed-cls.py                    # ZeRO stage 2, fp32
+    deepspeed --num_gpus 2 multi-gpu-deepspeed-cls.py --precision bf16   # bf16 weights, fp32 master copy
     deepspeed --num_gpus 2 multi-gpu-deepspeed-cls.py --zero-stage 3 --offload optimizer+param
     deepspeed --num_gpus 2 multi-gpu-deepspeed-cls.py --deepspeed-config configs/deepspeed/zero3.json
     python multi-gpu-deepspeed-cls.py --estimate-memory 8     # model-state memory on 8 GPUs, then exit
@@ -43,7 +44,7 @@ class DeepSpeed(common.TorchDistributed):
     launcher = "deepspeed"
 
     def __init__(self, device, rank, world_size, local_world_size, precision, config):
-        super().__init__(device, rank, world_size, local_world_size, precision)
+        super().__init__(device, rank, world_size, precision, local_world_size)
         self.config = config
         self.zero_stage = config["zero_optimization"]["stage"]
         self.engine = None  # set once deepspeed.initialize has built it
@@ -126,8 +127,7 @@ def add_deepspeed_args(parser):
     parser.add_argument("--offload", choices=list(OFFLOAD_KEYS),
                         help="keep the optimizer state (and, at stage 3, the weights) in CPU memory; "
                              "None = the config file's, else none")
-    parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"],
-                        help="None = the config file's, else fp16 on GPUs and bf16 on CPUs")
+    common.add_precision_arg(parser, default=None, default_help="the config file's, else fp32")
     parser.add_argument("--gradient-accumulation-steps", type=int,
                         help="micro batches per optimizer step; None = the config file's, else 1")
     parser.add_argument("--estimate-memory", type=int, nargs="*", metavar="N",
@@ -179,14 +179,10 @@ def build_config(args, device, world_size):
     if offload != "none" and zero["stage"] == 0:
         raise common.UserError("offloading the optimizer needs --zero-stage 1, 2 or 3: stage 0 has no ZeRO optimizer")
 
-    # Precision: the flag, else what the file enables, else the device's usual choice.
-    precision = args.precision or next((p for p in ("fp16", "bf16") if config.get(p, {}).get("enabled")), None)
-    precision = precision or ("fp16" if device.type == "cuda" else "bf16")
-    from deepspeed.accelerator import get_accelerator
-    supported = {"fp16": get_accelerator().is_fp16_supported(), "bf16": get_accelerator().is_bf16_supported()}
-    if not supported.get(precision, True):
-        raise common.UserError(f"--precision {precision} is not supported on this {device.type}: use "
-                               f"{'bf16 or ' if supported['bf16'] else ''}fp32")
+    # Precision: the flag, else what the file enables, else fp32 like every other row of the
+    # benchmark (DeepSpeed's own default is 16-bit: mixing it in would compare two things at once).
+    precision = args.precision or next((p for p in ("fp16", "bf16") if config.get(p, {}).get("enabled")), "fp32")
+    common.check_precision(precision, device)
     for name in ("fp16", "bf16"):
         config[name] = {**config.get(name, {}), "enabled": precision == name}
 
@@ -326,7 +322,7 @@ def main():
         #    reach the same ranks in every script, and each dev sample is evaluated once.
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, world_size, rank))
+        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
         optimizer = make_optimizer(model, lr, args, config)
 
         # 5. The engine moves the model to the device, casts it to fp16/bf16, partitions the

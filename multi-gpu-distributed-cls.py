@@ -73,7 +73,7 @@ def main():
         #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, world_size, rank))
+        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
         optimizer = common.make_optimizer(model, lr, args.weight_decay)
 
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)

@@ -1,8 +1,8 @@
 """Fine-tune Chinese BERT with DDP started by torch.multiprocessing.spawn, plus automatic mixed precision.
 
-    python multi-gpu-distributed-mp-amp-cls.py                # fp16 on GPUs, bf16 on CPU
-    python multi-gpu-distributed-mp-amp-cls.py --amp bf16     # GPUs from Ampere (A100, RTX 30xx) on
-    python multi-gpu-distributed-mp-amp-cls.py --amp no       # fp32, as multi-gpu-distributed-mp-cls.py
+    python multi-gpu-distributed-mp-amp-cls.py                      # fp16 on GPUs, bf16 on CPU
+    python multi-gpu-distributed-mp-amp-cls.py --precision bf16     # GPUs from Ampere (A100, RTX 30xx) on
+    python multi-gpu-distributed-mp-amp-cls.py --precision fp32     # as multi-gpu-distributed-mp-cls.py
 
     # two machines, 2 GPUs each (run on each; --node-rank 0 on the machine at MASTER_IP):
     python multi-gpu-distributed-mp-amp-cls.py --nnodes 2 --node-rank 0 --nprocs 2 \\
@@ -26,22 +26,21 @@ import common
 
 # Seconds the processes get to stop on their own (after a failure or a SIGTERM) before they are killed.
 SHUTDOWN_GRACE_SECONDS = 10
-# The 16-bit type autocast computes in, for each --amp choice.
-AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "no": None}
+# The 16-bit type autocast computes in, for each --precision choice.
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 
 
 class DDPWithAMP(common.TorchDistributed):
     name = "ddp-amp"
     launcher = "spawn"
 
-    def __init__(self, device, rank, world_size, local_world_size, amp):
-        super().__init__(device, rank, world_size, local_world_size,
-                         precision="fp32" if amp == "no" else f"amp-{amp}")
-        self.amp_dtype = AMP_DTYPES[amp]
+    def __init__(self, device, rank, world_size, local_world_size, precision):
+        super().__init__(device, rank, world_size, precision, local_world_size)
+        self.amp_dtype = AMP_DTYPES[precision]
         # AMP 1. fp16 has a narrow range: small gradients would round to zero. The scaler multiplies
         #        the loss before backward and divides the gradients before the step, skipping steps
         #        whose gradients overflowed. bf16 has fp32's range: no scaler (disabled = pass-through).
-        self.scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     def autocast(self):
         # AMP 2. Only the forward pass runs under autocast (the Trainer then computes the loss in fp32
@@ -69,7 +68,7 @@ def main():
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index: 0 .. nnodes - 1")
     parser.add_argument("--master-addr", help="address of the --node-rank 0 machine; None = 127.0.0.1")
     parser.add_argument("--master-port", type=int, help="rendezvous port; None = a free one")
-    parser.add_argument("--amp", choices=list(AMP_DTYPES), help="mixed precision; None = fp16 on GPUs, bf16 on CPU")
+    common.add_precision_arg(parser, default=None, default_help="fp16 on GPUs, bf16 on CPU")
     args = common.check_args(parser.parse_args())
     check_launch(args)
 
@@ -112,13 +111,12 @@ def check_launch(args):
     elif args.node_rank == 0 and not port_is_free(args.master_port):
         raise common.UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
                                "or leave it out to get a free one")
-    # AMP 3. fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, tens of times
-    #        slower than fp32, while many compute bf16 natively. Refuse rather than silently crawl.
-    if args.amp is None:
-        args.amp = "fp16" if gpus else "bf16"
-    if args.amp == "fp16" and not gpus:
-        raise common.UserError("--amp fp16 needs GPUs (CPUs emulate fp16, tens of times slower than fp32); "
-                               "on CPU use --amp bf16 (the default there) or --amp no")
+    # AMP 3. fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, many times
+    #        slower than fp32, and only some compute bf16 natively (the Trainer says when it is
+    #        emulated). Refuse what the device cannot run before any process starts.
+    if args.precision is None:
+        args.precision = "fp16" if gpus else "bf16"
+    common.check_precision(args.precision, common.resolve_device(args.device))
 
 
 def free_port():
@@ -168,12 +166,9 @@ def train(args, rank, local_rank, first_failure):
     # 4. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        if args.amp == "bf16" and not torch.cuda.is_bf16_supported():
-            raise common.UserError(f"--amp bf16 needs a GPU from Ampere on; {torch.cuda.get_device_name()} "
-                                   "has no bf16: use --amp fp16")
     dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
     try:
-        strategy = DDPWithAMP(device, rank, world_size, local_world_size=args.nprocs, amp=args.amp)
+        strategy = DDPWithAMP(device, rank, world_size, local_world_size=args.nprocs, precision=args.precision)
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
         model.to(device)
@@ -185,7 +180,7 @@ def train(args, rank, local_rank, first_failure):
         #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, world_size, rank))
+        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
         optimizer = common.make_optimizer(model, lr, args.weight_decay)
 
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)

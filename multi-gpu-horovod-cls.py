@@ -26,10 +26,9 @@ class Horovod(common.Strategy):
     name = "horovod"
     launcher = "horovodrun"
 
-    def __init__(self, device, precision):
-        super().__init__(device, hvd.rank(), hvd.size(), precision)
-        if device.type == "cpu":
-            common.share_cpu_cores(hvd.local_size())
+    def __init__(self, device, gradient_compression):
+        super().__init__(device, hvd.rank(), hvd.size(), local_world_size=hvd.local_size())
+        self.gradient_compression = gradient_compression
 
     def step(self, model, optimizer):
         optimizer.step()  # first waits for this step's gradient all-reduces
@@ -41,6 +40,9 @@ class Horovod(common.Strategy):
 
     def gather(self, tensor):
         return hvd.allgather(tensor)
+
+    def result_extras(self):
+        return {"gradient_compression": self.gradient_compression}
 
     def versions(self):
         return {"horovod": horovod.__version__}
@@ -67,7 +69,7 @@ def main():
     device = common.resolve_device(args.device, hvd.local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    strategy = Horovod(device, "fp32, fp16 all-reduce" if args.fp16_allreduce else "fp32")
+    strategy = Horovod(device, "fp16" if args.fp16_allreduce else "none")
 
     train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
     model.to(device)
@@ -80,7 +82,7 @@ def main():
     #    examples do that): the same global batch then takes the same step as DDP and one device.
     train_loader = common.make_loader(train_set, args, tokenizer,
                                       common.train_sampler(train_set, args, hvd.size(), hvd.rank()))
-    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, hvd.size(), hvd.rank()))
+    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, hvd.size(), hvd.rank()))
     optimizer = common.make_optimizer(model, lr, args.weight_decay)
 
     # 4. The DistributedOptimizer hooks every named parameter and averages its gradient across

@@ -56,9 +56,9 @@ def train_one_epoch(model, loader, device, lr, weight_decay):
 
 
 @torch.no_grad()
-def dev_accuracy(model, dev_set, tokenizer, device):
+def dev_accuracy(model, dev_set, tokenizer, device, args):
     model.eval()
-    loader = DataLoader(dev_set, batch_size=64, collate_fn=common.PadToLongest(tokenizer.pad_token_id))
+    loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
     correct = 0
     for batch in loader:
         logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
@@ -80,16 +80,18 @@ def main():
         tokenizer, model, model_name, lr = common.load_model(args, [text for text, _ in train_records])
         model.to(device)
         dev_set = common.EncodedDataset(dev_records, tokenizer, args.max_seq_len)
+        train_set = common.EncodedDataset(train_records, tokenizer, args.max_seq_len)
+        sampler = common.train_sampler(train_set, args)
+        sampler.set_epoch(1)
         if name == "reference":
-            sampler = common.train_sampler(train_records, args)
-            loader = DataLoader(train_records, batch_size=args.batch_size, sampler=sampler,
+            # The same batches of the same samples, from the raw texts.
+            batches = [[index for index, _ in batch] for batch in sampler]
+            loader = DataLoader(train_records, batch_sampler=batches,
                                 collate_fn=TokenizeEveryBatch(tokenizer, args.max_seq_len))
         else:
-            train_set = common.EncodedDataset(train_records, tokenizer, args.max_seq_len)
-            loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))
-        loader.sampler.set_epoch(1)
+            loader = common.make_loader(train_set, args, tokenizer, sampler)
         seconds, tokens = train_one_epoch(model, loader, device, lr, args.weight_decay)
-        results[name] = (seconds, tokens, dev_accuracy(model, dev_set, tokenizer, device))
+        results[name] = (seconds, tokens, dev_accuracy(model, dev_set, tokenizer, device, args))
         print(f"{name:<11} epoch {seconds:7.1f} s | {tokens:6.1f} padded tokens/sample | "
               f"dev accuracy {results[name][2]:.4f}", flush=True)
 

@@ -13,8 +13,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 BIN = Path(PYTHON).parent
-# A few hundred samples: 320 train (10 steps of 32), 80 dev. Enough to exercise every path.
-SMALL = ["--model", "tiny", "--max-samples", "400", "--dev-ratio", "0.2", "--log-steps", "5"]
+# A few hundred samples that divide by nothing in sight, as real data does: 332 train (10 batches
+# of 32 and a short one of 12; 10 of 33 and one of 2, which 3 processes cannot share evenly) and
+# 83 dev (uneven over 2 or 3 processes). Sizes that divide evenly hide the bugs that matter.
+SAMPLES, DEV_SAMPLES = 415, 83
+SMALL = ["--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--log-steps", "5"]
+# Equivalence runs: shuffling and dropout off, so that only the strategy can make a difference.
+EXACT = ["--no-shuffle", "--dropout", "0"]
 
 sys.path.insert(0, str(ROOT))
 
@@ -47,17 +52,38 @@ def load_weights(model_dir):
 
 
 def assert_same_weights(a_dir, b_dir, atol=1e-4):
-    """The models in two checkpoint folders are equal to float tolerance, tensor by tensor."""
+    """The models in two checkpoint folders are equal to float tolerance, tensor by tensor. (A sample
+    trained twice or weighed wrongly moves them by about 1e-3 here.)"""
     a, b = load_weights(a_dir), load_weights(b_dir)
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst < atol, f"largest weight difference {worst:g} exceeds {atol:g}"
 
 
+def small_split():
+    """The SMALL run's (train, dev) records."""
+    import common
+    return common.split_records(common.load_records(ROOT / "data" / "train.json"), SAMPLES, 0.2, 123)
+
+
+def untrained_dev_loss():
+    """The dev loss of the tiny model before any step, on the SMALL split."""
+    import torch
+    import torch.nn.functional as F
+
+    import common
+    train, dev = small_split()
+    tokenizer, model = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
+    encoded = tokenizer([text for text, _ in dev], padding=True, truncation=True, max_length=128, return_tensors="pt")
+    with torch.no_grad():
+        logits = model.eval()(**encoded).logits
+    return F.cross_entropy(logits, torch.tensor([label for _, label in dev])).item()
+
+
 def predict_dev_accuracy(output_dir):
     """Run predict.py on the SMALL dev texts with the model in `output_dir`; return its accuracy."""
     import common
-    _, dev = common.split_records(common.load_records(ROOT / "data" / "train.json"), 400, 0.2, 123)
+    _, dev = small_split()
     texts_file = Path(output_dir) / "dev.txt"
     texts_file.write_text("\n".join(text for text, _ in dev), encoding="utf-8")
     lines = run([PYTHON, "predict.py", "--checkpoint", str(Path(output_dir) / "model"), "--file", str(texts_file)]
@@ -86,9 +112,13 @@ def assert_no_process_left(marker):
     assert processes_mentioning(marker) == [], "orphan processes left running"
 
 
+def single_run(tmp_path_factory, batch_size):
+    output = tmp_path_factory.mktemp(f"single-reference-{batch_size}")
+    run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", str(batch_size), "--output-dir", str(output)])
+    return output
+
+
 @pytest.fixture(scope="session")
 def single_reference(tmp_path_factory):
-    """single-gpu-cls.py at batch 32, shuffling and dropout off: what distributed runs must equal."""
-    output = tmp_path_factory.mktemp("single-reference")
-    run([PYTHON, "single-gpu-cls.py", *SMALL, "--no-shuffle", "--dropout", "0", "--output-dir", str(output)])
-    return output
+    """single-gpu-cls.py at batch 32, shuffling and dropout off: what 2 processes x 16 must equal."""
+    return single_run(tmp_path_factory, 32)

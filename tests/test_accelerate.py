@@ -3,12 +3,12 @@ import math
 
 import pytest
 
-from conftest import BIN, PYTHON, SMALL, assert_same_weights, load_weights, read_result, require, run
+from conftest import BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, load_weights, read_result, require, run
 
 SCRIPT = "multi-gpu-accelerate-cls.py"
 # --device cpu: the same gloo path on every machine, GPUs or not.
 CPU = [*SMALL, "--device", "cpu"]
-EQUIVALENCE = ["--no-shuffle", "--dropout", "0", "--batch-size", "16"]
+EQUIVALENCE = [*EXACT, "--batch-size", "16"]
 SHUFFLED = ["--dropout", "0", "--epochs", "2"]
 
 
@@ -24,7 +24,7 @@ def accelerate_launch(*launch_options, script_options):
 def assert_accelerate_result(result, launcher, global_batch):
     assert result["strategy"] == "accelerate" and result["launcher"] == launcher
     assert result["world_size"] == 2 and result["global_batch_size"] == global_batch
-    assert result["dev_samples"] == 80  # each dev sample counted once, not once per process
+    assert result["dev_samples"] == DEV_SAMPLES  # each dev sample counted once, not once per process
     assert result["versions"]["accelerate"]
 
 
@@ -43,16 +43,16 @@ def test_accelerate_launch_shards_the_data_and_logs_once(shuffled_run):
     assert "accelerate: MULTI_CPU, 2 process(es)" in process.stdout
     result = read_result(output)
     assert_accelerate_result(result, "accelerate launch", global_batch=64)
-    # 2 epochs of 10 batches of 32, shared by 2 processes: 10 steps. Unsharded, each process would take 20.
-    assert result["steps"] == 10 and result["precision"] == "fp32"
-    assert process.stdout.count("【train】 epoch：2/2 step：10/10 loss：") == 1  # only rank 0 logs
+    # 2 epochs of 332 samples in global batches of 64 (5 full, 1 of 12): 12 steps. Unsharded, 22.
+    assert result["steps"] == 12 and result["precision"] == "fp32" and result["samples_trained"] == 664
+    assert process.stdout.count("【train】 epoch：2/2 step：12/12 loss：") == 1  # only rank 0 logs
     assert not any(key.startswith("module.") for key in load_weights(output / "model"))
     assert sorted(p.name for p in output.iterdir()) == ["model", "result.json"]
 
 
 def test_accelerate_takes_the_same_shuffled_global_batches_as_ddp(shuffled_run, tmp_path):
-    """Accelerate shards the loaders its own way, yet each step trains on the same 64 samples as DDP's,
-    in each epoch's new order: the same weights."""
+    """Each step trains on the same 64 samples as DDP's, in each epoch's new order, with the short
+    last batch trained once: the same weights."""
     _, output = shuffled_run
     run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", "multi-gpu-distributed-cls.py", *CPU,
          *SHUFFLED, "--output-dir", str(tmp_path)], timeout=600)
@@ -65,13 +65,13 @@ def test_config_file_launch_equals_one_device_at_the_same_global_batch(tmp_path,
                       script_options=[*EQUIVALENCE, "--output-dir", str(tmp_path)])
     result = read_result(tmp_path)
     assert_accelerate_result(result, "accelerate launch", global_batch=32)
-    assert result["steps"] == read_result(single_reference)["steps"] == 10
+    assert result["steps"] == read_result(single_reference)["steps"] == 11
     assert_same_weights(single_reference / "model", tmp_path / "model")
 
 
 def test_bf16_under_torchrun_trains_like_fp32(tmp_path, single_reference):
     run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", SCRIPT, *CPU, *EQUIVALENCE,
-         "--mixed-precision", "bf16", "--output-dir", str(tmp_path)], timeout=600)
+         "--precision", "bf16", "--output-dir", str(tmp_path)], timeout=600)
     result = read_result(tmp_path)
     assert_accelerate_result(result, "torchrun", global_batch=32)
     assert result["precision"] == "bf16"
@@ -84,7 +84,7 @@ def test_bf16_under_torchrun_trains_like_fp32(tmp_path, single_reference):
 
 
 def test_fp16_on_cpu_is_refused_rather_than_run_in_fp32(tmp_path):
-    process = run([PYTHON, SCRIPT, *CPU, "--mixed-precision", "fp16", "--output-dir", str(tmp_path)],
+    process = run([PYTHON, SCRIPT, *CPU, "--precision", "fp16", "--output-dir", str(tmp_path)],
                   check=False, timeout=120)
     assert process.returncode == 2
-    assert process.stderr.strip().splitlines()[-1].startswith("error: fp16 mixed precision needs a GPU")
+    assert process.stderr.strip().splitlines()[-1].startswith("error: --precision fp16 needs a GPU")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import PYTHON, SMALL, run
+from conftest import PYTHON, SAMPLES, SMALL, run
 
 
 def train(*extra, data=None):
@@ -52,7 +52,7 @@ def test_missing_data_file(tmp_path):
 
 def test_more_samples_than_the_data_has(tmp_path):
     path = write(tmp_path, GOOD * 10)
-    assert_clean_error(train(data=path), "--max-samples 400", "(30)")
+    assert_clean_error(train(data=path), f"--max-samples {SAMPLES}", "(30)")
 
 
 def test_missing_model_folder(tmp_path):

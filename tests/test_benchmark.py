@@ -5,13 +5,15 @@ import json
 import pytest
 
 import benchmark
-from conftest import PYTHON, read_result, run
+from conftest import DEV_SAMPLES, PYTHON, SAMPLES, read_result, run
 
 # Two launches per runner test: the single-device baseline and DDP under torchrun.
 RUNNER = [PYTHON, "benchmark.py", "--only", "single,ddp", "--nprocs", "2",
-          "--model", "tiny", "--max-samples", "400", "--dev-ratio", "0.2"]
+          "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2"]
 # result.json key for each number of a benchmark.json row
 SAME_AS_RESULT = {"processes": "world_size", "device": "device", "precision": "precision",
+                  "precision_native": "precision_native", "threads_per_process": "threads_per_process",
+                  "tokens_per_sample": "tokens_per_sample", "padded_tokens_per_sample": "padded_tokens_per_sample",
                   "global_batch": "global_batch_size", "train_seconds": "train_seconds",
                   "samples_per_second": "samples_per_second", "peak_memory_mb": "peak_memory_mb",
                   "dev_accuracy": "dev_accuracy", "dev_macro_f1": "dev_macro_f1", "dev_samples": "dev_samples"}
@@ -33,7 +35,8 @@ def test_runner_writes_table_json_and_chart_from_each_runs_result(tmp_path):
         assert row["status"] == "ok" and row["reason"] is None
         for key, result_key in SAME_AS_RESULT.items():
             assert row[key] == result[result_key], (name, key)
-        assert row["dev_samples"] == 80 and row["wall_seconds"] > row["train_seconds"] > 0
+        assert row["dev_samples"] == DEV_SAMPLES and row["wall_seconds"] > row["train_seconds"] > 0
+        assert row["precision"] == "fp32" and row["precision_native"] is True
         assert len(row["runs"]) == 1 and (tmp_path / f"{name}.log").is_file()
     assert rows["single"]["processes"] == 1 and rows["single"]["global_batch"] == 32
     assert rows["ddp"]["processes"] == 2 and rows["ddp"]["global_batch"] == 64
@@ -41,7 +44,7 @@ def test_runner_writes_table_json_and_chart_from_each_runs_result(tmp_path):
     assert rows["ddp"]["speedup"] == round(rows["ddp"]["samples_per_second"] / rows["single"]["samples_per_second"], 3)
     assert rows["ddp"]["command"].startswith(".venv/bin/torchrun --nproc_per_node 2 --master_port ")
     assert f"--output-dir {tmp_path / 'ddp'}" in rows["ddp"]["command"]
-    assert rows["ddp"]["command"].endswith("--model tiny --max-samples 400 --dev-ratio 0.2")
+    assert rows["ddp"]["command"].endswith(f"--model tiny --max-samples {SAMPLES} --dev-ratio 0.2")
 
     # The Markdown table and the terminal show the same figures, with the machine and the model.
     table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
@@ -49,7 +52,9 @@ def test_runner_writes_table_json_and_chart_from_each_runs_result(tmp_path):
     for name, row in rows.items():
         line = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
         for figure in (f"{row['train_seconds']:.1f}", f"{row['samples_per_second']:.1f}", f"{row['dev_accuracy']:.4f}",
-                       f"{row['dev_macro_f1']:.4f}", f"{row['wall_seconds']:.1f}", f"`{row['command']}`"):
+                       f"{row['dev_macro_f1']:.4f}", f"{row['wall_seconds']:.1f}", f"`{row['command']}`",
+                       f"{row['tokens_per_sample']:.1f}+{row['padded_tokens_per_sample']:.1f}",
+                       f"{row['processes']} | {row['threads_per_process']}"):
             assert f" {figure} |" in line, (name, figure)
         assert any(l.startswith(f"{name} ") and f"{row['dev_accuracy']:.4f}" in l for l in process.stdout.splitlines())
     chart = (tmp_path / "benchmark.png").read_bytes()
@@ -121,9 +126,20 @@ def test_every_launch_line_and_the_batch_per_device():
     assert batch("dataparallel", 2, global_batch=64) == ["--batch-size", "64"]
 
     args = argparse.Namespace(max_samples=None, epochs=2, batch_size=None, global_batch=64, nprocs=2,
-                              passthrough=["--lr", "1e-4"])
+                              precision=None, passthrough=["--lr", "1e-4"])
     options = benchmark.script_options(args, benchmark.STRATEGIES["ddp"], benchmark.ROOT / "out", "tiny", 0)
     assert options == ["--output-dir", "out", "--model", "tiny", "--epochs", "2", "--batch-size", "32", "--lr", "1e-4"]
+    # --precision reaches the strategies that offer mixed precision, and only those.
+    args.precision = "bf16"
+    offered = {name for name, entry in benchmark.STRATEGIES.items()
+               if "--precision" in benchmark.script_options(args, entry, benchmark.ROOT / "out", "tiny", 0)}
+    assert offered == {"ddp-amp", "deepspeed", "accelerate"}
+
+
+def test_an_emulated_precision_is_marked_in_the_table():
+    row = {"precision": "bf16", "precision_native": False, "device": "cpu"}
+    assert benchmark.precision_label(row) == "bf16, emulated on this CPU"
+    assert benchmark.precision_label({**row, "precision_native": True}) == "bf16"
 
 
 def test_missing_script_or_dependency_is_a_reason_not_a_crash(tmp_path):

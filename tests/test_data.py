@@ -1,6 +1,7 @@
 """The shared data pipeline: a split that no strategy can change, sharding, padding."""
 import types
 
+import numpy as np
 import torch
 
 import common
@@ -41,69 +42,103 @@ def tiny_datasets(max_samples=200):
     return (common.EncodedDataset(train, tokenizer, 128), common.EncodedDataset(dev, tokenizer, 128), tokenizer)
 
 
-def global_batches(dataset, world_size, batch_size, shuffle=True, group_by_length=False):
-    """The samples of each optimizer step across all processes, as sets of dataset indices."""
-    shards = []
+def shards(dataset, world_size, batch_size, shuffle=True, group_by_length=False, epoch=1):
+    """Each process's batches of (index, weight) for one epoch."""
+    result = []
     for rank in range(world_size):
         sampler = common.train_sampler(dataset, args(batch_size=batch_size, no_shuffle=not shuffle,
                                                      group_by_length=group_by_length),
                                        num_replicas=world_size, rank=rank)
-        sampler.set_epoch(1)
-        order = list(sampler)
-        shards.append([order[i:i + batch_size] for i in range(0, len(order), batch_size)])
-    return [set().union(*(shard[step] for shard in shards)) for step in range(len(shards[0]))]
+        sampler.set_epoch(epoch)
+        result.append(list(sampler))
+    return result
 
 
-def test_sharded_training_sees_the_same_global_batches_as_one_process():
-    train, _, _ = tiny_datasets()
-    one = global_batches(train, 1, 32)
-    for shuffle in (True, False):
-        assert global_batches(train, 2, 16, shuffle) == global_batches(train, 1, 32, shuffle)
-        assert global_batches(train, 4, 8, shuffle) == global_batches(train, 1, 32, shuffle)
-    assert set().union(*one) == set(range(len(train)))
+def global_batches(dataset, world_size, batch_size, **options):
+    """The samples of each optimizer step across all processes, as lists of (index, weight), the
+    repeats of weight 0 left out; checks that every process runs the same number of batches."""
+    per_rank = shards(dataset, world_size, batch_size, **options)
+    assert len({len(batches) for batches in per_rank}) == 1
+    return [sorted(pair for batches in per_rank for pair in batches[step] if pair[1] > 0)
+            for step in range(len(per_rank[0]))]
+
+
+def test_every_process_count_trains_the_single_device_global_batches_with_the_same_weights():
+    train, _, _ = tiny_datasets()  # 160 samples: 5 global batches of 32; of 33, 4 and a short one of 28
+    for shuffle, group in ((False, False), (True, False), (True, True)):
+        options = dict(shuffle=shuffle, group_by_length=group)
+        assert global_batches(train, 2, 16, **options) == global_batches(train, 1, 32, **options)
+        assert global_batches(train, 4, 8, **options) == global_batches(train, 1, 32, **options)
+        assert global_batches(train, 3, 11, **options) == global_batches(train, 1, 33, **options)
+        assert global_batches(train, 7, 1, **options) == global_batches(train, 1, 7, **options)
+    for batch in global_batches(train, 3, 11):
+        assert abs(sum(weight for _, weight in batch) - 1) < 1e-12  # each global batch is one mean
+    assert sorted(i for batch in global_batches(train, 3, 11) for i, _ in batch) == list(range(len(train)))
+
+
+def test_a_short_last_batch_that_does_not_split_gives_a_weightless_repeat():
+    train, _, _ = tiny_datasets(205)  # 164 train samples: 4 batches of 3 x 13 = 39, then 8 left
+    per_rank = shards(train, 3, 13, shuffle=False)
+    last = [batches[-1] for batches in per_rank]
+    assert [len(batch) for batch in last] == [3, 3, 3]  # equal work: no process waits for another
+    assert [sum(weight > 0 for _, weight in batch) for batch in last] == [3, 3, 2]
+    assert [weight for batch in last for _, weight in batch] == [1 / 8] * 8 + [0.0]
 
 
 def test_shuffle_changes_with_the_epoch_and_no_shuffle_keeps_order():
     train, _, _ = tiny_datasets()
-    sampler = common.train_sampler(train, args())
-    sampler.set_epoch(1)
-    first = list(sampler)
-    sampler.set_epoch(2)
-    assert list(sampler) != first and sorted(first) == list(range(len(train)))
-    fixed = common.train_sampler(train, args(no_shuffle=True))
-    assert list(fixed) == list(range(len(train)))
+    first = [i for batch in shards(train, 1, 4, epoch=1)[0] for i, _ in batch]
+    second = [i for batch in shards(train, 1, 4, epoch=2)[0] for i, _ in batch]
+    assert first != second and sorted(first) == list(range(len(train)))
+    fixed = [i for batch in shards(train, 1, 4, shuffle=False)[0] for i, _ in batch]
+    assert fixed == list(range(len(train)))
 
 
-def test_length_grouping_covers_every_sample_and_shards_like_the_plain_sampler():
-    train, _, _ = tiny_datasets(1000)
-    batches = global_batches(train, 2, 16, group_by_length=True)
-    assert set().union(*batches) == set(range(len(train)))
-    assert batches == global_batches(train, 1, 32, group_by_length=True)
-    lengths = [len(ids) for ids in train.input_ids]
-    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
-    random_spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b)
-                        for b in global_batches(train, 1, 32)) / len(batches)
-    assert spread < random_spread / 2
+def padding_per_sample(dataset, batches):
+    lengths = [len(ids) for ids in dataset.input_ids]
+    return sum(len(batch) * max(lengths[i] for i, _ in batch) - sum(lengths[i] for i, _ in batch)
+               for batch in batches) / len(lengths)
 
 
-def test_eval_shards_cover_the_dev_set_once_after_dropping_padding():
-    _, dev, _ = tiny_datasets(205)  # 41 dev samples: uneven over 2 and 4 processes
-    for world_size in (1, 2, 4):
-        seen = [i for rank in range(world_size) for i in common.eval_sampler(dev, world_size, rank)]
-        assert set(seen) == set(range(len(dev)))
-        assert len(seen) >= len(dev)
+def test_length_grouping_keeps_full_batches_aligned_and_the_short_one_last():
+    train, _, _ = tiny_datasets(1000)  # 800 train samples: 25 global batches of 32; of 3 x 11, 24 and 8 left
+    for world_size, batch_size in ((1, 32), (2, 16), (3, 11)):
+        batches = global_batches(train, world_size, batch_size, group_by_length=True)
+        assert [len(b) for b in batches[:-1]] == [world_size * batch_size] * (len(batches) - 1)
+        assert sorted(i for b in batches for i, _ in b) == list(range(len(train)))
+    grouped = shards(train, 2, 16, group_by_length=True)[0]
+    plain = shards(train, 2, 16)[0]
+    assert padding_per_sample(train, grouped) < padding_per_sample(train, plain) / 2
+
+
+def test_eval_shards_give_each_dev_sample_once():
+    _, dev, _ = tiny_datasets(205)  # 41 dev samples: uneven over 2, 3 and 4 processes
+    for world_size in (1, 2, 3, 4):
+        parts = [[pair for batch in common.eval_sampler(dev, args(batch_size=4), world_size, rank) for pair in batch]
+                 for rank in range(world_size)]
+        assert len({len(part) for part in parts}) == 1  # every process evaluates as many samples
+        # What the Trainer gathers: each process's outputs, one after the other.
+        indices = np.array([i for part in parts for i, _ in part])
+        weights = np.array([w for part in parts for _, w in part])
+        labels = np.array([dev.labels[i] for i in indices])
+        kept, kept_labels = common.each_sample_once(indices, weights, labels)
+        assert kept.tolist() == list(range(len(dev)))
+        assert kept_labels.tolist() == dev.labels
+        if world_size in (2, 3, 4):
+            assert len(indices) > len(dev)  # there were repeats to drop
 
 
 def test_batches_are_padded_to_their_longest_text_not_to_max_len():
     train, _, tokenizer = tiny_datasets()
-    batch = common.PadToLongest(tokenizer.pad_token_id)([train[0], train[1], train[2]])
-    lengths = [len(train[i][1]) for i in range(3)]
+    batch = common.PadToLongest(tokenizer.pad_token_id)([train[0, 0.5], train[1, 0.5], train[2, 0.0]])
+    lengths = [len(ids) for ids in train.input_ids[:3]]
     assert batch["input_ids"].shape == (3, max(lengths))
     assert batch["attention_mask"].sum(dim=1).tolist() == lengths
     for row, length in enumerate(lengths):
         assert (batch["input_ids"][row, length:] == tokenizer.pad_token_id).all()
-        assert batch["input_ids"][row, :length].tolist() == train[row][1]
+        assert batch["input_ids"][row, :length].tolist() == train[row, 1.0][1]
     assert batch["index"].tolist() == [0, 1, 2] and batch["labels"].dtype == torch.long
+    assert batch["weight"].tolist() == [0.5, 0.5, 0.0]
 
 
 def test_texts_are_truncated_to_max_seq_len():

@@ -1,41 +1,42 @@
 """multi-gpu-horovod-cls.py under horovodrun (2 CPU processes over Gloo), and the Horovod build script."""
 import shutil
 
-from conftest import BIN, PYTHON, SMALL, assert_same_weights, read_result, require, run
+from conftest import BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, read_result, require, run, untrained_dev_loss
 
 SCRIPT = "multi-gpu-horovod-cls.py"
 
 
-def horovodrun(*args):
+def horovodrun(*args, processes=2):
     require("horovod")
     # --start-timeout: horovodrun's 30 s default for starting the processes is tight on a busy 2-core machine.
-    return run([BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
-                PYTHON, SCRIPT, *SMALL, *args], timeout=600)
+    return run([BIN / "horovodrun", "-np", str(processes), "-H", f"localhost:{processes}", "--gloo",
+                "--start-timeout", "120", PYTHON, SCRIPT, *SMALL, *args], timeout=600)
 
 
 def assert_horovod_result(result, global_batch):
     assert result["strategy"] == "horovod" and result["launcher"] == "horovodrun"
     assert result["world_size"] == 2 and result["global_batch_size"] == global_batch
-    assert result["dev_samples"] == 80  # each dev sample counted once, not once per process
+    assert result["dev_samples"] == DEV_SAMPLES  # each dev sample counted once, not once per process
     assert result["versions"]["horovod"]
 
 
-def test_horovod_trains_with_fp16_allreduce_and_logs_once(tmp_path):
+def test_horovod_learns_with_fp16_allreduce_and_logs_once(tmp_path):
     process = horovodrun("--fp16-allreduce", "--output-dir", str(tmp_path))
     result = read_result(tmp_path)
     assert_horovod_result(result, global_batch=64)
-    assert result["steps"] == 5 and result["precision"] == "fp32, fp16 all-reduce"
-    assert "[0]<stdout>:【train】 epoch：1/1 step：5/5 loss：" in process.stdout
+    assert result["steps"] == 6 and result["precision"] == "fp32" and result["gradient_compression"] == "fp16"
+    assert "[0]<stdout>:【train】 epoch：1/1 step：6/6 loss：" in process.stdout
+    assert result["dev_loss"] < untrained_dev_loss() - 0.03  # it learned: the reference run's Horovod did not
     assert "[1]<stdout>:【train】" not in process.stdout  # only rank 0 logs
     assert (tmp_path / "model" / "model.safetensors").is_file()
 
 
 def test_horovod_equals_one_device_at_the_same_global_batch(tmp_path, single_reference):
     """2 processes x 16 with averaged gradients take the same steps as 1 process x 32."""
-    horovodrun("--no-shuffle", "--dropout", "0", "--batch-size", "16", "--output-dir", str(tmp_path))
+    horovodrun(*EXACT, "--batch-size", "16", "--output-dir", str(tmp_path))
     result = read_result(tmp_path)
     assert_horovod_result(result, global_batch=32)
-    assert result["steps"] == read_result(single_reference)["steps"] == 10
+    assert result["steps"] == read_result(single_reference)["steps"] == 11
     assert_same_weights(single_reference / "model", tmp_path / "model")
 
 

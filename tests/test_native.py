@@ -1,19 +1,18 @@
 """The native PyTorch strategies on CPU with gloo and 2 processes: DataParallel (its CPU fallback),
 DDP under torchrun, the legacy torch.distributed.launch and torch.multiprocessing.spawn, DDP + AMP."""
-import os
 import re
 import socket
 import subprocess
 import time
 
 import torch
-import torch.nn.functional as F
 
 import common
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, read_result, run
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
+                      read_result, run, untrained_dev_loss)
 
 # 2 processes at batch 16 see the same global batches as single-gpu-cls.py at 32 (single_reference).
-EQUIVALENT = [*SMALL, "--no-shuffle", "--dropout", "0", "--batch-size", "16"]
+EQUIVALENT = [*SMALL, *EXACT, "--batch-size", "16"]
 TORCHRUN = str(BIN / "torchrun")
 
 
@@ -31,22 +30,12 @@ def torchrun(*args):
 def assert_distributed_result(output_dir, strategy, launcher, precision="fp32"):
     result = read_result(output_dir)
     assert (result["strategy"], result["launcher"], result["precision"]) == (strategy, launcher, precision)
-    assert result["world_size"] == 2 and result["dev_samples"] == 80
+    assert result["world_size"] == 2 and result["dev_samples"] == DEV_SAMPLES
     return result
 
 
 def logged_losses(output):
     return [float(loss) for loss in re.findall(r"【train】 .* loss：([\d.]+)", output)]
-
-
-def untrained_dev_loss():
-    """The dev loss of the tiny model before any step, on the SMALL split."""
-    train, dev = common.split_records(common.load_records(ROOT / "data" / "train.json"), 400, 0.2, 123)
-    tokenizer, model = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
-    encoded = tokenizer([text for text, _ in dev], padding=True, truncation=True, max_length=128, return_tensors="pt")
-    with torch.no_grad():
-        logits = model.eval()(**encoded).logits
-    return F.cross_entropy(logits, torch.tensor([label for _, label in dev])).item()
 
 
 def test_ddp_under_torchrun_equals_the_single_device_run(tmp_path, single_reference):
@@ -60,7 +49,7 @@ def test_ddp_under_the_legacy_launcher(tmp_path):
     run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", free_port(),
          "multi-gpu-distributed-cls.py", *SMALL, "--output-dir", str(tmp_path)])
     result = assert_distributed_result(tmp_path, "ddp", "torch.distributed.launch")
-    assert result["global_batch_size"] == 64 and result["steps"] == 5
+    assert result["global_batch_size"] == 64 and result["steps"] == 6  # 5 of 64 and one of 12
 
 
 def test_ddp_under_spawn_equals_the_single_device_run(tmp_path, single_reference):
@@ -72,7 +61,7 @@ def test_ddp_under_spawn_equals_the_single_device_run(tmp_path, single_reference
 
 def test_bf16_amp_learns_and_tracks_fp32(tmp_path, single_reference):
     process = run([PYTHON, "multi-gpu-distributed-mp-amp-cls.py", *EQUIVALENT, "--output-dir", str(tmp_path)])
-    result = assert_distributed_result(tmp_path, "ddp-amp", "spawn", precision="amp-bf16")  # bf16 is the CPU default
+    result = assert_distributed_result(tmp_path, "ddp-amp", "spawn", precision="bf16")  # bf16 is the CPU default
     first, last = logged_losses(process.stdout + process.stderr)
     assert last < first
     assert result["dev_loss"] < untrained_dev_loss() - 0.03
@@ -83,21 +72,22 @@ def test_fp16_amp_is_refused_on_cpu_with_a_clear_message():
     if torch.cuda.is_available():
         import pytest
         pytest.skip("this machine has a GPU: fp16 is valid here")
-    process = run([PYTHON, "multi-gpu-distributed-mp-amp-cls.py", *SMALL, "--amp", "fp16"], check=False, timeout=120)
+    process = run([PYTHON, "multi-gpu-distributed-mp-amp-cls.py", *SMALL, "--precision", "fp16"], check=False,
+                  timeout=120)
     assert process.returncode == 2 and "Traceback" not in process.stderr
-    assert process.stderr.strip().splitlines()[-1].startswith("error: --amp fp16 needs GPUs")
+    assert process.stderr.strip().splitlines()[-1].startswith("error: --precision fp16 needs a GPU")
 
 
 def test_dataparallel_without_gpus_runs_one_cpu_process(tmp_path, single_reference):
     if torch.cuda.is_available():
         import pytest
         pytest.skip("this machine has a GPU: DataParallel uses it")
-    process = run([PYTHON, "multi-gpu-dataparallel-cls.py", *SMALL, "--no-shuffle", "--dropout", "0",
+    process = run([PYTHON, "multi-gpu-dataparallel-cls.py", *SMALL, *EXACT,
                    "--gpu-ids", "0,1", "--output-dir", str(tmp_path)])
     assert "DataParallel needs GPUs" in process.stderr
     result = read_result(tmp_path)
     assert (result["strategy"], result["launcher"], result["world_size"]) == ("dataparallel", "python", 1)
-    assert result["dev_samples"] == 80 and result["device"] == "cpu"
+    assert result["dev_samples"] == DEV_SAMPLES and result["device"] == "cpu"
     assert_same_weights(single_reference / "model", tmp_path / "model")
 
 
@@ -106,9 +96,8 @@ def test_two_nodes_report_and_save_once(tmp_path):
     port = free_port()
     nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                                "--master_addr", "127.0.0.1", "--master_port", port, "multi-gpu-distributed-cls.py",
-                               *SMALL, "--output-dir", str(tmp_path / f"node{node}")],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               *SMALL, "--threads", "1", "--output-dir", str(tmp_path / f"node{node}")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for node in (0, 1)]
     try:
         outputs = [node.communicate(timeout=600)[0] for node in nodes]

@@ -1,0 +1,86 @@
+"""Every strategy is single-device training at the same global batch: 3 processes x 11 against one
+device x 33, on data whose last global batch (2 samples) cannot be shared by 3 processes and whose
+83 dev samples do not split over them. One launch per strategy checks the weights, the dev count
+and the thread policy."""
+import os
+
+import pytest
+
+import common
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, read_result, require, run,
+                      single_run)
+
+THREE = [*SMALL, *EXACT, "--batch-size", "11"]
+
+
+def free_port():
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+LAUNCH = {
+    "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
+                    "multi-gpu-distributed-cls.py"],
+    "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "3"],
+    "horovod": lambda: [BIN / "horovodrun", "-np", "3", "-H", "localhost:3", "--gloo", "--start-timeout", "120",
+                        PYTHON, "multi-gpu-horovod-cls.py"],
+    "deepspeed-zero1": lambda: [BIN / "deepspeed", "--num_gpus", "3", "--master_port", free_port(),
+                                "multi-gpu-deepspeed-cls.py", "--zero-stage", "1", "--precision", "fp32"],
+    "deepspeed-zero3": lambda: [BIN / "deepspeed", "--num_gpus", "3", "--master_port", free_port(),
+                                "multi-gpu-deepspeed-cls.py", "--zero-stage", "3", "--precision", "fp32"],
+    "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "3",
+                           "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu"],
+}
+NEEDS = {"horovod": "horovod", "deepspeed-zero1": "deepspeed", "deepspeed-zero3": "deepspeed",
+         "accelerate": "accelerate"}
+
+
+@pytest.fixture(scope="module")
+def single_33(tmp_path_factory):
+    return single_run(tmp_path_factory, 33)
+
+
+@pytest.mark.parametrize("strategy", list(LAUNCH))
+def test_three_processes_end_with_the_single_device_weights(tmp_path, single_33, strategy):
+    if strategy in NEEDS:
+        require(NEEDS[strategy])
+    # OMP_NUM_THREADS=1, as torchrun and accelerate launch set it: the scripts' own policy decides.
+    run([*LAUNCH[strategy](), *THREE, "--output-dir", str(tmp_path)], env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    result = read_result(tmp_path)
+    assert result["world_size"] == 3 and result["global_batch_size"] == 33 and result["precision"] == "fp32"
+    assert result["dev_samples"] == DEV_SAMPLES and result["samples_trained"] == 332
+    assert result["steps"] == read_result(single_33)["steps"] == 11
+    assert result["threads_per_process"] == max(1, common.usable_cores() // 3)
+    assert_same_weights(single_33 / "model", tmp_path / "model")
+
+
+def test_the_thread_policy_overrides_the_launchers_setting(tmp_path):
+    """torchrun sets OMP_NUM_THREADS=1; one process on 2 cores still gets both, and --threads wins."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores to tell the policy from the launcher's setting")
+    cores = set(sorted(os.sched_getaffinity(0))[:2])
+    expected = min(2, int(common.cgroup_cpu_quota() or 2))
+    torchrun = [BIN / "torchrun", "--nproc_per_node", "1", "--master_port", free_port(), "multi-gpu-distributed-cls.py",
+                *SMALL, "--max-samples", "60"]
+    for extra, threads in (([], expected), (["--threads", "1"], 1)):
+        output = tmp_path / str(threads)
+        run(["taskset", "-c", ",".join(map(str, cores)), *torchrun, *extra, "--output-dir", str(output)],
+            env={"OMP_NUM_THREADS": "1"}, timeout=300)
+        assert read_result(output)["threads_per_process"] == threads
+
+
+def test_the_cpu_quota_of_a_container_caps_the_cores(tmp_path):
+    assert common.cgroup_cpu_quota(tmp_path) is None
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert common.cgroup_cpu_quota(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert common.cgroup_cpu_quota(tmp_path) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert common.cgroup_cpu_quota(tmp_path) == 3.0
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert common.cgroup_cpu_quota(tmp_path) is None
