@@ -62,8 +62,12 @@ def test_ddp_under_spawn_equals_the_single_device_run(tmp_path, single_reference
 def test_bf16_amp_learns_and_tracks_fp32(tmp_path, single_reference):
     process = run([PYTHON, "multi-gpu-distributed-mp-amp-cls.py", *EQUIVALENT, "--output-dir", str(tmp_path)])
     result = assert_distributed_result(tmp_path, "ddp-amp", "spawn", precision="bf16")  # bf16 is the CPU default
-    first, last = logged_losses(process.stdout + process.stderr)
-    assert last < first
+    # Whether this CPU computes bf16 itself is recorded, and said when it does not.
+    native = common.computes_natively("bf16", torch.device("cpu"))
+    assert result["precision_native"] is native
+    assert ("has no native bf16: torch emulates it" in process.stdout) is not native
+    losses = logged_losses(process.stdout + process.stderr)
+    assert len(losses) == 3 and losses[-1] < losses[0]  # logged at steps 5, 10 and 11
     assert result["dev_loss"] < untrained_dev_loss() - 0.03
     assert abs(result["dev_loss"] - read_result(single_reference)["dev_loss"]) < 0.01
 
@@ -140,3 +144,13 @@ def test_spawn_on_several_machines_needs_the_rendezvous_address():
                   check=False, timeout=120)
     assert process.returncode == 2 and "Traceback" not in process.stderr
     assert "--master-addr" in process.stderr.strip().splitlines()[-1]
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "fma"})
+    assert not common.computes_natively("bf16", cpu) and common.computes_natively("fp32", cpu)
+    monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert common.computes_natively("bf16", cpu) and not common.computes_natively("fp16", cpu)
+    monkeypatch.setattr(common, "cpu_flags", lambda: {"amx_bf16", "amx_fp16"})
+    assert common.computes_natively("bf16", cpu) and common.computes_natively("fp16", cpu)
