@@ -1,24 +1,29 @@
 """Run every strategy with its own launcher on the same model and data, and compare them in one table.
 
-    python benchmark.py                               # all eight: one process per GPU, or 2 on CPU
-    python benchmark.py --only single,ddp,deepspeed --repeat 3
-    python benchmark.py --global-batch 64             # the same global batch for every strategy
-    python benchmark.py --max-samples 2000 --lr 5e-4  # options it does not know go to every script
-    python benchmark.py --precision bf16              # mixed precision wherever a strategy offers it
+    python benchmark.py                                  # one row per strategy: a process per GPU, or 2 on CPU
+    python benchmark.py --only single,ddp,deepspeed --repeat 3     # interleaved repeats and a noise floor
+    python benchmark.py --only single,deepspeed-zero2,deepspeed-zero3   # variants side by side (--list)
+    python benchmark.py --only single,ddp,horovod --nprocs 1,2,4   # a scaling sweep
+    python benchmark.py --strategy-args deepspeed="--zero-stage 3"  # options for one strategy only
+    python benchmark.py --variant zero3-adam-cpu=deepspeed:"--zero-stage 3 --offload optimizer"
+    python benchmark.py --precision bf16                 # mixed precision wherever a strategy offers it
+    python benchmark.py --max-samples 2000 --lr 5e-4     # options it does not know go to every script
 
 Each strategy trains with the same model, data, seed, learning rate, epochs and batch per device
 (per process; DataParallel's one process gets it times its GPUs), so the global batch grows with
-the devices, unless --global-batch asks for the same global batch for all. Every row trains in
-fp32 except ddp-amp, whose point is mixed precision, unless --precision asks for another for every
-strategy that offers one. Each process takes an equal share of the machine's cores (the scripts'
-thread policy), whatever its launcher sets. Every launch writes
-its result.json under <output-dir>/<strategy>/ and its whole output to <output-dir>/<strategy>.log;
-the runner reads the result files and writes the comparison as benchmark.md, benchmark.json and
-benchmark.png in <output-dir>.
+the devices (weak scaling), unless --global-batch asks for the same global batch for all (strong
+scaling). Every row trains in fp32 except ddp-amp, whose point is mixed precision, unless
+--precision asks for another for every strategy that offers one. Each process takes an equal
+share of the machine's cores (the scripts' thread policy), whatever its launcher sets.
 
-A strategy whose script or dependency is missing, or whose launch fails or times out, is listed
-with its reason and the others still run. The exit status is 0 only when every requested strategy
-succeeded.
+A row is a variant: a strategy plus options (`--list` shows the built-in ones; the default rows are
+the strategies themselves). With --repeat N the launches go round-robin over the rows, so a slow
+minute of a shared machine does not land on one row, and the table states the noise floor. Every
+launch writes its result.json under <output-dir>/<row>/ and its output to <output-dir>/<row>.log;
+the runner writes the comparison as benchmark.md, benchmark.json and benchmark.png in <output-dir>.
+
+A row whose script or dependency is missing, or whose launch fails or times out, is listed with its
+reason and the others still run. The exit status is 0 only when every requested row succeeded.
 """
 import argparse
 import datetime
@@ -26,7 +31,9 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -39,6 +46,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 import common
 
@@ -47,6 +55,7 @@ ROOT = common.ROOT
 BIN = Path(sys.executable).parent
 VERSIONED = ["torch", "transformers", "accelerate", "deepspeed", "horovod"]
 SCRIPT_BATCH_SIZE = common.build_parser(__file__, "").get_default("batch_size")
+RESULTS_DIR = ROOT / "docs" / "results"
 
 
 # ----------------------------------------------------------------------------- the strategies
@@ -115,18 +124,21 @@ def launch_accelerate(script, n, gpus):
 
 @dataclass(frozen=True)
 class Entry:
+    """A strategy: its script and how it is launched."""
     name: str
     script: str
     launcher: str
     launch: Callable[[str, int, int], list]
-    needs: str | None = None     # a Python module the strategy cannot run without
-    splits_batch: bool = False   # one process splits its --batch-size over its GPUs (DataParallel)
+    needs: str | None = None       # a Python module the strategy cannot run without
+    splits_batch: bool = False     # one process splits its --batch-size over its GPUs (DataParallel)
     mixed_precision: bool = False  # the script takes --precision
+    distributed: bool = True       # runs --nprocs processes (single and DataParallel run one)
 
 
 STRATEGIES = {entry.name: entry for entry in [
-    Entry("single", "single-gpu-cls.py", "python", launch_single),
-    Entry("dataparallel", "multi-gpu-dataparallel-cls.py", "python", launch_dataparallel, splits_batch=True),
+    Entry("single", "single-gpu-cls.py", "python", launch_single, distributed=False),
+    Entry("dataparallel", "multi-gpu-dataparallel-cls.py", "python", launch_dataparallel, splits_batch=True,
+          distributed=False),
     Entry("ddp", "multi-gpu-distributed-cls.py", "torchrun", launch_torchrun),
     Entry("ddp-spawn", "multi-gpu-distributed-mp-cls.py", "python (mp.spawn)", launch_spawn),
     Entry("ddp-amp", "multi-gpu-distributed-mp-amp-cls.py", "python (mp.spawn)", launch_spawn, mixed_precision=True),
@@ -136,6 +148,37 @@ STRATEGIES = {entry.name: entry for entry in [
     Entry("accelerate", "multi-gpu-accelerate-cls.py", "accelerate launch", launch_accelerate, needs="accelerate",
           mixed_precision=True),
 ]}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A row of the table: a strategy and the options that make it this variant."""
+    name: str
+    strategy: str
+    options: tuple = ()
+    about: str = ""
+    needs_gpu: bool = False
+
+
+# The default rows are the strategies as their scripts run by default; the others run when named in --only.
+DEFAULT_ROWS = [Variant(name, name, about="the script's defaults") for name in STRATEGIES]
+BUILT_IN_VARIANTS = DEFAULT_ROWS + [
+    *[Variant(f"deepspeed-zero{stage}", "deepspeed", ("--zero-stage", str(stage)), about)
+      for stage, about in enumerate(["stage 0: nothing partitioned (plain data parallelism)",
+                                     "stage 1: optimizer state partitioned",
+                                     "stage 2: + gradients partitioned (the script's default)",
+                                     "stage 3: + weights partitioned"])],
+    Variant("deepspeed-zero2-offload", "deepspeed", ("--zero-stage", "2", "--offload", "optimizer"),
+            "stage 2, optimizer state and update on the CPU"),
+    Variant("deepspeed-zero3-offload", "deepspeed", ("--zero-stage", "3", "--offload", "optimizer+param"),
+            "stage 3, optimizer state and weights in CPU memory"),
+    Variant("deepspeed-bf16", "deepspeed", ("--precision", "bf16"), "stage 2 with bf16 weights, fp32 master copy"),
+    Variant("ddp-amp-bf16", "ddp-amp", ("--precision", "bf16"), "autocast to bf16"),
+    Variant("ddp-amp-fp16", "ddp-amp", ("--precision", "fp16"), "autocast to fp16 with a gradient scaler",
+            needs_gpu=True),
+    Variant("accelerate-bf16", "accelerate", ("--precision", "bf16"), "Accelerate's bf16 autocast"),
+    Variant("horovod-fp16-allreduce", "horovod", ("--fp16-allreduce",), "gradients sent as fp16"),
+]
 
 
 def why_not_ready(entry, command):
@@ -152,27 +195,36 @@ def why_not_ready(entry, command):
 
 # ----------------------------------------------------------------------------- command line
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Any other option goes to every script as it is (--lr, --seed, "
                                             "--dev-ratio, ...): `python single-gpu-cls.py --help` lists them.")
-    parser.add_argument("--only", help=f"comma-separated strategies to run (default: all of {','.join(STRATEGIES)})")
-    parser.add_argument("--skip", help="comma-separated strategies to leave out")
-    parser.add_argument("--nprocs", type=int, default=torch.cuda.device_count() or 2,
-                        help="processes (GPUs) per distributed strategy (default: all GPUs, or 2 without GPU: "
-                             "%(default)s here)")
+    parser.add_argument("--only", help="comma-separated rows to run: strategies or variants (default: one row per "
+                                       f"strategy, {','.join(STRATEGIES)}; --list shows the variants)")
+    parser.add_argument("--skip", help="comma-separated rows to leave out")
+    parser.add_argument("--list", action="store_true", help="list the strategies and variants, then exit")
+    parser.add_argument("--variant", action="append", default=[], metavar='NAME=STRATEGY:"OPTIONS"',
+                        help="define a row of your own, e.g. zero3-cpu-adam=deepspeed:\"--zero-stage 3 --offload "
+                             "optimizer\"; it runs with the default rows, or when named in --only (repeatable)")
+    parser.add_argument("--strategy-args", action="append", default=[], metavar='STRATEGY="OPTIONS"',
+                        help="options for every row of one strategy only, e.g. deepspeed=\"--zero-stage 3\" "
+                             "(repeatable)")
+    parser.add_argument("--nprocs", default=str(torch.cuda.device_count() or 2),
+                        help="processes (GPUs) per distributed row; a list like 1,2,4 runs a scaling sweep "
+                             "(default: all GPUs, or 2 without GPU: %(default)s here)")
     parser.add_argument("--model", default="auto",
                         help="as the scripts' --model (default: auto, resolved once here and passed to all)")
     parser.add_argument("--max-samples", type=int, help="passed to every script (default: the scripts' 10000)")
     parser.add_argument("--epochs", type=int, help="passed to every script (default: the scripts' 1)")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="launches per strategy; the table shows the median run and the min-max spread "
-                             "(default: 1)")
+                        help="launches per row, interleaved round-robin over the rows; the table shows the median "
+                             "run, the min-max spread and the noise floor (default: 1)")
     parser.add_argument("--batch-size", type=int,
-                        help="per device, for every strategy (default: the scripts' 32); DataParallel's "
-                             "one process gets it times its GPUs")
+                        help="per device, for every row (default: the scripts' 32); DataParallel's one process "
+                             "gets it times its GPUs")
     parser.add_argument("--global-batch", type=int,
-                        help="the same global batch for all: per-device batch = N / devices")
+                        help="the same global batch for every row and process count (strong scaling): per-device "
+                             "batch = N / devices")
     parser.add_argument("--precision", choices=common.PRECISIONS,
                         help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate); the "
                              "others stay in fp32 (default: the scripts' own: fp32, and for ddp-amp fp16 on GPUs, "
@@ -181,40 +233,104 @@ def parse_args():
                         help="seconds one launch may take before it is killed (default: %(default)g)")
     parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
                         help="where the table, chart, logs and each run's files go (default: output/benchmark)")
-    args, passthrough = parser.parse_known_args()
+    parser.add_argument("--publish", action="store_true",
+                        help="also copy the table, JSON and chart to docs/results/<machine>/ and put the table "
+                             "in the README")
+    args, passthrough = parser.parse_known_args(argv)
     return check_args(args, passthrough)
 
 
-def names(option, value):
+def split_assignment(value, separator):
+    name, found, rest = value.partition(separator)
+    if not found or not name.strip():
+        return None, None
+    return name.strip(), rest
+
+
+def parse_variant(value):
+    """NAME=STRATEGY:"OPTIONS" -> a Variant."""
+    name, rest = split_assignment(value, "=")
+    strategy, options = split_assignment(rest or "", ":") if name else (None, None)
+    if not strategy:
+        raise common.UserError(f'--variant {value!r}: write NAME=STRATEGY:"OPTIONS", e.g. '
+                               'zero3-cpu-adam=deepspeed:"--zero-stage 3 --offload optimizer"')
+    if strategy not in STRATEGIES:
+        raise common.UserError(f"--variant {name}: unknown strategy {strategy}; choose from {','.join(STRATEGIES)}")
+    return Variant(name, strategy, tuple(shlex.split(options)), "from the command line")
+
+
+def parse_strategy_args(values):
+    """STRATEGY="OPTIONS" (repeatable) -> {strategy: [options]}."""
+    chosen = {}
+    for value in values:
+        strategy, options = split_assignment(value, "=")
+        if strategy not in STRATEGIES:
+            raise common.UserError(f"--strategy-args {value!r}: write STRATEGY=\"OPTIONS\" with a strategy from "
+                                   f"{','.join(STRATEGIES)}")
+        chosen[strategy] = chosen.get(strategy, []) + shlex.split(options)
+    return chosen
+
+
+def parse_counts(value):
+    try:
+        counts = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(count < 1 for count in counts) or len(set(counts)) != len(counts):
+        raise common.UserError(f"--nprocs takes process counts of at least 1, like 2 or 1,2,4; got {value!r}")
+    return sorted(counts)
+
+
+def names(option, value, known):
     chosen = [name.strip() for name in value.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in STRATEGIES]
+    unknown = [name for name in chosen if name not in known]
     if unknown:
-        raise common.UserError(f"{option}: unknown strategy {', '.join(unknown)}; choose from {','.join(STRATEGIES)}")
+        raise common.UserError(f"{option}: unknown row {', '.join(unknown)}; choose from {','.join(known)} "
+                               "(--list describes them)")
     return chosen
 
 
 def check_args(args, passthrough):
-    for name in ("nprocs", "repeat", "max_samples", "epochs", "batch_size", "global_batch"):
+    for name in ("repeat", "max_samples", "epochs", "batch_size", "global_batch"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.timeout <= 0:
         raise common.UserError(f"--timeout must be positive, got {args.timeout:g}")
-    only = names("--only", args.only) if args.only else list(STRATEGIES)
-    skip = names("--skip", args.skip) if args.skip else []
-    args.strategies = [STRATEGIES[name] for name in STRATEGIES if name in only and name not in skip]
-    if not args.strategies:
-        raise common.UserError("--only and --skip leave no strategy to run")
+    args.counts = parse_counts(args.nprocs)
+    own = [parse_variant(value) for value in args.variant]
+    args.variants = {variant.name: variant for variant in BUILT_IN_VARIANTS + own}
+    args.strategy_options = parse_strategy_args(args.strategy_args)
+    chosen = names("--only", args.only, args.variants) if args.only else [v.name for v in DEFAULT_ROWS + own]
+    skip = names("--skip", args.skip, args.variants) if args.skip else []
+    args.rows = [args.variants[name] for name in dict.fromkeys(chosen) if name not in skip]
+    if not args.rows and not args.list:
+        raise common.UserError("--only and --skip leave no row to run")
     if args.global_batch:
         if args.batch_size:
             raise common.UserError("--global-batch sets each script's --batch-size: pass one or the other")
-        if args.global_batch % args.nprocs:
+        uneven = [count for count in args.counts if args.global_batch % count]
+        if uneven:
             raise common.UserError(f"--global-batch {args.global_batch} does not split evenly over "
-                                   f"--nprocs {args.nprocs} processes")
+                                   f"{' and '.join(map(str, uneven))} processes (--nprocs {args.nprocs})")
     args.passthrough = passthrough
     args.output_dir = Path(args.output_dir).resolve()
     return args
 
+
+def list_rows(variants):
+    print("Strategies and variants (a variant is a strategy plus options; --only picks rows, --variant adds one):")
+    width = max(len(name) for name in variants)
+    options_width = max(len(" ".join(variant.options)) for variant in variants.values())
+    for variant in variants.values():
+        options = " ".join(variant.options) or "-"
+        default = " [default row]" if variant in DEFAULT_ROWS else ""
+        gpu = " [GPU only]" if variant.needs_gpu else ""
+        print(f"  {variant.name:<{width}}  {variant.strategy:<12}  {options:<{options_width}}  "
+              f"{variant.about}{default}{gpu}")
+
+
+# ----------------------------------------------------------------------------- the plan
 
 def devices(entry, nprocs, gpus):
     """How many model replicas share each global batch."""
@@ -223,17 +339,19 @@ def devices(entry, nprocs, gpus):
     return nprocs
 
 
-def batch_options(args, entry, gpus):
+def batch_options(args, entry, gpus, nprocs):
     """--batch-size for the script, so that every device gets the same share of a batch."""
-    replicas = devices(entry, args.nprocs, gpus)
+    replicas = devices(entry, nprocs, gpus)
     per_device = args.global_batch // replicas if args.global_batch else args.batch_size
     if entry.splits_batch and replicas > 1:
         return ["--batch-size", str((per_device or SCRIPT_BATCH_SIZE) * replicas)]
     return ["--batch-size", str(per_device)] if per_device else []
 
 
-def script_options(args, entry, run_dir, model, gpus):
-    """What every script gets after the launcher's part: the same options for all."""
+def script_options(args, variant, run_dir, model, gpus, nprocs):
+    """What a script gets after the launcher's part: the options every row shares, then this
+    strategy's and this variant's own."""
+    entry = STRATEGIES[variant.strategy]
     options = ["--output-dir", relative(run_dir), "--model", model]
     if args.max_samples:
         options += ["--max-samples", str(args.max_samples)]
@@ -241,10 +359,105 @@ def script_options(args, entry, run_dir, model, gpus):
         options += ["--epochs", str(args.epochs)]
     if args.precision and entry.mixed_precision:
         options += ["--precision", args.precision]
-    return options + batch_options(args, entry, gpus) + args.passthrough
+    return (options + batch_options(args, entry, gpus, nprocs) + args.passthrough
+            + args.strategy_options.get(entry.name, []) + list(variant.options))
 
 
-# ----------------------------------------------------------------------------- running one launch
+def plan(args, gpus):
+    """The cells to run: each row at each process count (rows that do not depend on it, once)."""
+    cells = []
+    for variant in args.rows:
+        entry = STRATEGIES[variant.strategy]
+        counts = args.counts if entry.distributed else [1 if entry.name == "single" else args.counts[-1]]
+        for nprocs in counts:
+            sweep = entry.distributed and len(args.counts) > 1
+            name = f"{variant.name}-n{nprocs}" if sweep else variant.name
+            cells.append({"row": name, "variant": variant.name, "strategy": entry.name, "script": entry.script,
+                          "launcher": entry.launcher, "nprocs": nprocs, "options": list(variant.options),
+                          "log": relative(args.output_dir / f"{name}.log"), "status": "pending", "reason": None,
+                          "runs": []})
+    return cells
+
+
+def not_runnable(variant, gpus):
+    if variant.needs_gpu and not gpus:
+        return f"{variant.name} needs a GPU ({variant.about})"
+    return None
+
+
+# ----------------------------------------------------------------------------- running
+
+class Progress:
+    """In a terminal, one updating line: the launch running and the time left for the whole
+    benchmark. Otherwise (CI, a log file), one plain line per finished launch."""
+
+    def __init__(self, total):
+        self.interactive = sys.stdout.isatty()
+        self.bar = tqdm(total=total, unit="launch", dynamic_ncols=True) if self.interactive else None
+        self.total, self.done = total, 0
+
+    def start(self, label):
+        if self.bar:
+            self.bar.set_description(label)
+
+    def finish(self, label, message):
+        self.done += 1
+        if self.bar:
+            self.bar.update()
+            if not message.startswith("ok"):
+                self.bar.write(f"{label}: {message}")
+        else:
+            print(f"[{self.done}/{self.total}] {label}: {message}", flush=True)
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+
+
+def run_all(args, cells, model, gpus, after_each):
+    """Launch every cell --repeat times, round-robin: repeat 1 of every cell, then repeat 2, ...;
+    `after_each()` runs after every launch (to keep the report up to date)."""
+    progress = Progress(len(cells) * args.repeat)
+    for cell in cells:
+        (args.output_dir / f"{cell['row']}.log").unlink(missing_ok=True)
+    try:
+        for repeat in range(1, args.repeat + 1):
+            for cell in cells:
+                label = f"{cell['row']} run {repeat}/{args.repeat}"
+                if cell["status"] in ("failed", "skipped"):
+                    progress.finish(label, f"not run: {cell['status']}")
+                    continue
+                progress.start(label)
+                progress.finish(label, launch_cell(args, cell, model, gpus))
+                after_each()
+    finally:
+        progress.close()
+
+
+def launch_cell(args, cell, model, gpus):
+    """One launch of `cell`; its run is added to the cell, or the cell is marked failed or skipped."""
+    variant, entry = args.variants[cell["variant"]], STRATEGIES[cell["strategy"]]
+    run_dir, log_path = args.output_dir / cell["row"], args.output_dir / f"{cell['row']}.log"
+    # Each launch gets a new free port.
+    command = entry.launch(entry.script, cell["nprocs"], gpus) + script_options(args, variant, run_dir, model, gpus,
+                                                                              cell["nprocs"])
+    cell["command"] = shlex.join(command)
+    reason = why_not_ready(entry, command) or not_runnable(variant, gpus)
+    if reason:
+        log_path.write_text(f"$ {shlex.join(command)}\nnot launched: {reason}\n", encoding="utf-8")
+        cell.update(status="skipped", reason=reason)
+        return f"skipped: {reason}"
+    result, wall, reason = launch_once(command, run_dir, log_path, args.timeout)
+    if reason:
+        cell.update(status="failed", reason=reason, wall_seconds=round(wall, 2))
+        return f"FAILED after {wall:.0f} s: {reason} (log: {relative(log_path)})"
+    if args.repeat > 1:
+        common.write_json(run_dir / f"result-{len(cell['runs']) + 1}.json", result)
+    cell["runs"].append({**result, "wall_seconds": round(wall, 2), "launch_command": shlex.join(command)})
+    cell["status"] = "ok"
+    return (f"ok, {result['train_seconds']:.1f} s training, {wall:.1f} s wall, "
+            f"dev accuracy {result['dev_accuracy']:.4f}")
+
 
 def stop(process):
     """End the launcher and every process it started (they share its session)."""
@@ -307,45 +520,18 @@ def launch_once(command, run_dir, log_path, timeout):
     return json.loads(result_file.read_text(encoding="utf-8")), wall, None
 
 
-def run_strategy(entry, args, model, gpus, announce):
-    """Launch `entry` --repeat times; a row for the table, from the run with the median training time."""
-    run_dir = args.output_dir / entry.name
-    log_path = args.output_dir / f"{entry.name}.log"
-    log_path.unlink(missing_ok=True)
+# ----------------------------------------------------------------------------- the figures
 
-    def new_command():  # each launch gets a new free port
-        return entry.launch(entry.script, args.nprocs, gpus) + script_options(args, entry, run_dir, model, gpus)
-
-    command = new_command()
-    row = {"strategy": entry.name, "script": entry.script, "launcher": entry.launcher,
-           "command": shlex.join(command), "log": relative(log_path)}
-    reason = why_not_ready(entry, command)
-    if reason:
-        log_path.write_text(f"$ {shlex.join(command)}\nnot launched: {reason}\n", encoding="utf-8")
-        announce(f"skipped: {reason}")
-        return {**row, "status": "skipped", "reason": reason}
-    runs = []
-    for repeat in range(1, args.repeat + 1):
-        if repeat > 1:
-            command = new_command()
-        result, wall, reason = launch_once(command, run_dir, log_path, args.timeout)
-        if reason:
-            announce(f"FAILED after {wall:.0f} s: {reason} (log: {relative(log_path)})")
-            return {**row, "command": shlex.join(command), "status": "failed", "reason": reason,
-                    "wall_seconds": round(wall, 2), "runs": runs}
-        if args.repeat > 1:
-            common.write_json(run_dir / f"result-{repeat}.json", result)
-        runs.append({**result, "wall_seconds": round(wall, 2), "launch_command": shlex.join(command)})
-        announce(f"run {repeat}/{args.repeat}: {result['train_seconds']:.1f} s training, {wall:.1f} s wall, "
-                 f"dev accuracy {result['dev_accuracy']:.4f}")
-    return {**row, "status": "ok", "reason": None, **summarize(runs)}
-
-
-def summarize(runs):
-    """The median run by training time (the lower middle one for an even count) and the spread."""
+def summarize(cell):
+    """The cell's median run by training time (the lower middle one for an even count) and the spread."""
+    runs = cell["runs"]
+    if cell["status"] != "ok":
+        return cell
     median_seconds = statistics.median_low(run["train_seconds"] for run in runs)
     chosen = next(run for run in runs if run["train_seconds"] == median_seconds)
+    seconds = [run["train_seconds"] for run in runs]
     return {
+        **cell,
         "command": chosen["launch_command"],
         "launcher": chosen["launcher"],
         "processes": chosen["world_size"],
@@ -353,6 +539,7 @@ def summarize(runs):
         "threads_per_process": chosen["threads_per_process"],
         "precision": chosen["precision"],
         "precision_native": chosen["precision_native"],
+        "zero_stage": chosen.get("zero_stage"),
         "model": chosen["model"],
         "global_batch": chosen["global_batch_size"],
         "batch_per_process": chosen["batch_size_per_process"],
@@ -367,23 +554,38 @@ def summarize(runs):
         "dev_macro_f1": chosen["dev_macro_f1"],
         "dev_samples": chosen["dev_samples"],
         "wall_seconds": chosen["wall_seconds"],
-        "train_seconds_min": min(run["train_seconds"] for run in runs),
-        "train_seconds_max": max(run["train_seconds"] for run in runs),
+        "train_seconds_min": min(seconds),
+        "train_seconds_max": max(seconds),
+        "relative_spread": round((max(seconds) - min(seconds)) / median_seconds, 4) if len(runs) > 1 else None,
         "wall_seconds_min": min(run["wall_seconds"] for run in runs),
         "wall_seconds_max": max(run["wall_seconds"] for run in runs),
-        "runs": runs,
     }
 
 
-def add_speedups(rows):
-    """Throughput over the single-device run's, measured in this same benchmark; none without it."""
-    single = next((row for row in rows if row["strategy"] == "single" and row["status"] == "ok"), None)
+def add_figures(report):
+    """Speed-ups over single, scaling against each row's own 1-process run, the noise floor and
+    which speed-ups it cannot tell apart."""
+    rows = [row for row in report["rows"] if row["status"] == "ok"]
+    single = next((row for row in rows if row["strategy"] == "single"), None)
     for row in rows:
-        if row["status"] == "ok":
-            row["speedup"] = round(row["samples_per_second"] / single["samples_per_second"], 3) if single else None
+        row["speedup"] = round(row["samples_per_second"] / single["samples_per_second"], 3) if single else None
+        one = next((other for other in rows if other["variant"] == row["variant"] and other["nprocs"] == 1
+                    and STRATEGIES[other["strategy"]].distributed), None)
+        if one and STRATEGIES[row["strategy"]].distributed:
+            row["speedup_vs_1_process"] = round(row["samples_per_second"] / one["samples_per_second"], 3)
+            row["scaling_efficiency"] = round(row["speedup_vs_1_process"] / row["nprocs"], 3)
+    spreads = [row["relative_spread"] for row in rows if row["relative_spread"] is not None]
+    report["noise_floor"] = max(spreads) if spreads else None
+    floor = report["noise_floor"]
+    for row in rows:
+        # Rows whose speed-ups differ by less than the noise floor: their order is not significant.
+        row["indistinguishable_from"] = [
+            other["row"] for other in rows
+            if other is not row and floor is not None and row["speedup"] is not None
+            and abs(row["speedup"] - other["speedup"]) / max(row["speedup"], other["speedup"]) < floor]
 
 
-# ----------------------------------------------------------------------------- the machine
+# ----------------------------------------------------------------------------- the machine and the code
 
 def cpu_model():
     try:
@@ -415,6 +617,28 @@ def library_versions():
     return versions
 
 
+def git_state():
+    """The commit this code is at and whether the tree differs from it: where a result came from."""
+    def git(*arguments):
+        try:
+            done = subprocess.run(["git", *arguments], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "modified": bool(status) if status is not None else None}
+
+
+def machine_slug(machine):
+    """A folder name for the machine's published results, e.g. amd-epyc-2-cores."""
+    if machine["gpus"]:
+        name = f"{len(machine['gpus'])}x-{machine['gpus'][0]}"
+    else:
+        name = f"{machine['cpu']}-{machine['cores']}-cores"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def resolve_model(choice):
     """--model auto once, here, so that every strategy trains the same model (and says which)."""
     model = common.resolve_model(choice)
@@ -429,26 +653,11 @@ def resolve_model(choice):
 
 # ----------------------------------------------------------------------------- the report
 
-COLUMNS = ["strategy", "launcher", "processes", "threads", "device", "precision", "global batch", "train s",
-           "samples/s", "speed-up", "tokens+pad", "peak MB", "dev acc", "macro-F1", "dev n", "wall s", "status"]
-
-
-def spread(row, key, repeat):
-    value = f"{row[key]:.1f}"
-    return value if repeat == 1 else f"{value} ({row[key + '_min']:.1f}-{row[key + '_max']:.1f})"
-
-
-def cells(row, repeat):
-    if row["status"] != "ok":
-        reason = row["reason"] if len(row["reason"]) <= 160 else row["reason"][:157] + "..."
-        wall = f"{row['wall_seconds']:.1f}" if "wall_seconds" in row else ""
-        return [row["strategy"], row["launcher"]] + [""] * (len(COLUMNS) - 4) + [wall, f"{row['status']}: {reason}"]
-    return [row["strategy"], row["launcher"], str(row["processes"]), str(row["threads_per_process"]), row["device"],
-            precision_label(row), str(row["global_batch"]), spread(row, "train_seconds", repeat),
-            f"{row['samples_per_second']:.1f}", f"{row['speedup']:.2f}x" if row["speedup"] is not None else "n/a",
-            f"{row['tokens_per_sample']:.1f}+{row['padded_tokens_per_sample']:.1f}", f"{row['peak_memory_mb']:.0f}",
-            f"{row['dev_accuracy']:.4f}", f"{row['dev_macro_f1']:.4f}", str(row["dev_samples"]),
-            spread(row, "wall_seconds", repeat), "ok"]
+MAIN_COLUMNS = ["row", "processes", "precision", "global batch", "train s", "samples/s", "speed-up", "dev acc",
+                "dev n", "status"]
+DETAIL_COLUMNS = ["row", "strategy", "launcher", "threads", "device", "tokens+pad", "peak MB", "macro-F1", "wall s",
+                  "options"]
+SCALING_COLUMNS = ["row", "processes", "samples/s", "speed-up vs 1 process", "scaling efficiency"]
 
 
 def precision_label(row):
@@ -458,46 +667,131 @@ def precision_label(row):
     return f"{row['precision']}, emulated on this {'GPU' if row['device'].startswith('cuda') else 'CPU'}"
 
 
+def row_label(row):
+    """The row's name, with the ZeRO stage when the name does not say it (the default deepspeed row)."""
+    if row.get("zero_stage") is not None and "zero" not in row["row"]:
+        return f"{row['row']} (ZeRO-{row['zero_stage']})"
+    return row["row"]
+
+
+def spread(row, key, repeat):
+    value = f"{row[key]:.1f}"
+    return value if repeat == 1 else f"{value} ({row[key + '_min']:.1f}-{row[key + '_max']:.1f})"
+
+
+def speedup_cell(row):
+    if row.get("speedup") is None:
+        return "n/a"
+    return f"{row['speedup']:.2f}x" + (" ~" if row["indistinguishable_from"] else "")
+
+
+def main_cells(row, repeat):
+    if row["status"] != "ok":
+        reason = row["reason"] or "not run yet"
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        return [row["row"]] + [""] * (len(MAIN_COLUMNS) - 2) + [f"{row['status']}: {reason}"]
+    return [row_label(row), str(row["processes"]), precision_label(row), str(row["global_batch"]),
+            spread(row, "train_seconds", repeat), f"{row['samples_per_second']:.1f}", speedup_cell(row),
+            f"{row['dev_accuracy']:.4f}", str(row["dev_samples"]), "ok"]
+
+
+def detail_cells(row, repeat):
+    if row["status"] != "ok":
+        return [row["row"], row["strategy"], row["launcher"]] + [""] * (len(DETAIL_COLUMNS) - 4) + [
+            " ".join(row["options"])]
+    return [row_label(row), row["strategy"], row["launcher"], str(row["threads_per_process"]), row["device"],
+            f"{row['tokens_per_sample']:.1f}+{row['padded_tokens_per_sample']:.1f}", f"{row['peak_memory_mb']:.0f}",
+            f"{row['dev_macro_f1']:.4f}", spread(row, "wall_seconds", repeat), " ".join(row["options"])]
+
+
+def scaling_cells(row):
+    return [row_label(row), str(row["processes"]), f"{row['samples_per_second']:.1f}",
+            f"{row['speedup_vs_1_process']:.2f}x", f"{row['scaling_efficiency']:.0%}"]
+
+
+def scaling_rows(report):
+    return [row for row in report["rows"] if row.get("speedup_vs_1_process") is not None]
+
+
 def header_lines(report):
+    git = report["git"]
+    code = f"{git['commit'][:12]}{' (modified)' if git['modified'] else ''}" if git["commit"] else "not a git checkout"
     lines = [f"machine: {report['machine']['summary']}",
              "libraries: " + ", ".join(f"{name} {version}" for name, version in report["versions"].items()),
+             f"code: commit {code}",
              f"model: {report['model']}" + (f", {report['model_note']}" if report["model_note"] else "")]
-    done = [row for row in report["strategies"] if row["status"] == "ok"]
-    batch = (f"global batch {report['global_batch']} for all" if report["global_batch"]
-             else "the same batch per device for all, so the global batch grows with the devices")
+    done = [row for row in report["rows"] if row["status"] == "ok"]
+    batch = (f"global batch {report['global_batch']} for all (strong scaling)" if report["global_batch"]
+             else "the same batch per device for all, so the global batch grows with the devices (weak scaling)")
     data = f"{done[0]['train_samples']} train samples, {done[0]['epochs']} epoch(s), " if done else ""
     precision = (f"--precision {report['precision']} where a strategy offers it, else fp32" if report["precision"]
                  else "fp32 except ddp-amp")
     lines.append(f"runs: {data}{batch}, {precision}, --nprocs {report['nprocs']}, "
-                 f"{report['repeat']} launch(es) per strategy" +
-                 (" (median run shown, min-max in brackets)" if report["repeat"] > 1 else "") +
+                 f"{report['repeat']} launch(es) per row" +
+                 (", interleaved; median run shown, min-max in brackets" if report["repeat"] > 1 else "") +
                  f", finished {report['finished']}")
+    if report["noise_floor"] is None:
+        lines.append("noise floor: not measured (one launch per row; --repeat 3 measures it)")
+    else:
+        lines.append(f"noise floor: {report['noise_floor']:.1%}, the largest (max - min) / median of any row's "
+                     "training times; a speed-up marked ~ is within it of another row's: their order is not "
+                     "significant")
+    oversubscribed = [count for count in report["counts"] if count > report["machine"]["cores"]]
+    if oversubscribed and not report["machine"]["gpus"]:
+        lines.append(f"note: {' and '.join(map(str, oversubscribed))} processes exceed the "
+                     f"{report['machine']['cores']} usable cores: those runs prove the mechanics, not the speed")
     return lines
 
 
-LEGEND = ("threads: torch threads per process. train s: the training loop only (rank 0); wall s: the whole "
-          "launch, start-up included. speed-up: samples/s over the single-device run's. tokens+pad: real tokens "
-          "and padding computed per training sample. peak MB: GPU memory allocated by torch on CUDA, else peak "
-          "resident memory of rank 0. dev n: dev samples evaluated. A precision 'emulated' is computed in "
-          "software by this device: the row measures the emulation, not mixed precision.")
+LEGEND = ("train s: the training loop only (rank 0). samples/s: samples trained / train s. speed-up: samples/s "
+          "over the single-device run's. A precision marked 'emulated' is computed in software by this device: "
+          "the row measures the emulation, not mixed precision. dev n: dev samples evaluated.")
+DETAIL_LEGEND = ("threads: torch threads per process. tokens+pad: real tokens and the padding computed with them, "
+                 "per training sample. peak MB: GPU memory allocated by torch on CUDA, else peak resident memory "
+                 "of rank 0. wall s: the whole launch, start-up included.")
+SCALING_LEGEND = ("speed-up vs 1 process: samples/s over the same row's 1-process run; scaling efficiency: that "
+                  "speed-up / processes (100% is ideal).")
+
+
+def markdown_table(columns, rows):
+    def line(values):
+        return "| " + " | ".join(value.replace("|", "\\|") for value in values) + " |"
+    return [line(columns), line(["---"] * len(columns))] + [line(row) for row in rows]
+
+
+def markdown_body(report):
+    """The report without its title: what the README publishes verbatim."""
+    rows, repeat = report["rows"], report["repeat"]
+    text = [f"- {line}" for line in header_lines(report)] + [""]
+    text += markdown_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows]) + ["", LEGEND, ""]
+    if scaling_rows(report):
+        text += ["Scaling:", ""] + markdown_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
+        text += ["", SCALING_LEGEND, ""]
+    text += ["Details:", ""] + markdown_table(DETAIL_COLUMNS, [detail_cells(row, repeat) for row in rows])
+    text += ["", DETAIL_LEGEND, "", "Commands:", ""]
+    text += [f"- {row['row']}: `{row['command']}`" for row in rows if row.get("command")]
+    return "\n".join(text) + "\n"
 
 
 def markdown(report):
-    def line(values):
-        return "| " + " | ".join(value.replace("|", "\\|") for value in values) + " |"
-    rows = report["strategies"]
-    table = [line(COLUMNS + ["command"]), line(["---"] * (len(COLUMNS) + 1))]
-    table += [line(cells(row, report["repeat"]) + [f"`{row['command']}`"]) for row in rows]
-    return "\n".join(["# Benchmark", ""] + [f"- {text}" for text in header_lines(report)]
-                     + [""] + table + ["", LEGEND, ""])
+    return "# Benchmark\n\n" + markdown_body(report)
 
 
-def terminal_table(report):
-    rows = [COLUMNS] + [cells(row, report["repeat"]) for row in report["strategies"]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)] + [0]
-    text = ["  ".join(value.ljust(width) for value, width in zip(row, widths)).rstrip() for row in rows]
-    commands = [f"  {row['strategy']}: {row['command']}" for row in report["strategies"]]
-    return "\n".join(header_lines(report) + [""] + text + ["", LEGEND, "commands:"] + commands)
+def terminal_table(columns, rows):
+    rows = [columns] + rows
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    return ["  ".join(value.ljust(width) for value, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def terminal_report(report):
+    rows, repeat = report["rows"], report["repeat"]
+    text = header_lines(report) + [""] + terminal_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows])
+    text += ["", LEGEND]
+    if scaling_rows(report):
+        text += ["", "scaling:"] + terminal_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
+    text += ["", "details:"] + terminal_table(DETAIL_COLUMNS, [detail_cells(row, repeat) for row in rows])
+    return "\n".join(text + ["", "commands:"] + [f"  {row['row']}: {row['command']}" for row in rows
+                                                 if row.get("command")])
 
 
 def write_text(path, text):
@@ -508,16 +802,16 @@ def write_text(path, text):
 
 
 def chart(report, path):
-    """Training and wall seconds, and dev accuracy, per strategy; failed ones marked as such."""
+    """Three panels: seconds per row, dev accuracy per row, and speed-up against processes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = report["strategies"]
-    labels = [row["strategy"] for row in rows]
+    rows = report["rows"]
+    labels = [row_label(row) if row["status"] == "ok" else row["row"] for row in rows]
     ok = [row["status"] == "ok" for row in rows]
     positions = range(len(rows))
-    figure, (time_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(13, 4.8))
+    figure, (time_axis, accuracy_axis, scaling_axis) = plt.subplots(1, 3, figsize=(19, 5.2))
     train = [row["train_seconds"] if good else 0 for row, good in zip(rows, ok)]
     wall = [row["wall_seconds"] if good else 0 for row, good in zip(rows, ok)]
     time_axis.bar([p - 0.2 for p in positions], train, 0.4, label="training loop")
@@ -527,7 +821,7 @@ def chart(report, path):
             if good:
                 time_axis.plot([p - 0.2] * 2, [row["train_seconds_min"], row["train_seconds_max"]], color="black")
     time_axis.set_ylabel("seconds")
-    time_axis.set_title("time per strategy (lower is better)")
+    time_axis.set_title("time per row (lower is better; black: min-max of the repeats)", fontsize=9)
     time_axis.legend()
     accuracy = [row["dev_accuracy"] if good else 0 for row, good in zip(rows, ok)]
     accuracy_axis.bar(list(positions), accuracy, 0.6, color="tab:green")
@@ -536,26 +830,70 @@ def chart(report, path):
     accuracy_axis.legend(loc="upper right")
     accuracy_axis.set_ylim(0, 1)
     accuracy_axis.set_ylabel("dev accuracy")
-    accuracy_axis.set_title("dev accuracy per strategy")
+    accuracy_axis.set_title("dev accuracy per row", fontsize=9)
     for axis in (time_axis, accuracy_axis):
-        axis.set_xticks(list(positions), labels, rotation=30, ha="right")
+        axis.set_xticks(list(positions), labels, rotation=30, ha="right", fontsize=8)
         for p, row, good in zip(positions, rows, ok):
             if not good:
                 axis.text(p, 0, row["status"], rotation=90, ha="center", va="bottom", color="tab:red")
+    scaling_chart(scaling_axis, report)
     figure.suptitle(f"{report['machine']['summary']} | model {report['model']}", fontsize=9)
     figure.tight_layout()
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    figure.savefig(staging, format="png", dpi=110)
+    figure.savefig(staging, format="png", dpi=100)
     plt.close(figure)
     os.replace(staging, path)
 
 
+def scaling_chart(axis, report):
+    counts = report["counts"]
+    axis.plot([1, counts[-1]], [1, counts[-1]], color="gray", linestyle="--", label="ideal")
+    for variant in dict.fromkeys(row["variant"] for row in scaling_rows(report)):
+        points = sorted((row["nprocs"], row["speedup_vs_1_process"]) for row in scaling_rows(report)
+                        if row["variant"] == variant)
+        axis.plot(*zip(*points), marker="o", label=variant)
+    kind = "strong scaling: global batch fixed" if report["global_batch"] else "weak scaling: batch per process fixed"
+    axis.set_title(f"speed-up vs processes ({kind})", fontsize=9)
+    axis.set_xlabel("processes")
+    axis.set_ylabel("samples/s over the same row's 1-process run")
+    axis.set_xticks(counts)
+    if not scaling_rows(report):
+        axis.text(0.5, 0.5, "run --nprocs 1,2,... to fill this panel", transform=axis.transAxes, ha="center",
+                  color="gray")
+    axis.legend(fontsize=8)
+
+
 def write_report(report, output_dir, final):
-    add_speedups(report["strategies"])
+    add_figures(report)
     common.write_json(output_dir / "benchmark.json", report)
     write_text(output_dir / "benchmark.md", markdown(report))
     if final:
         chart(report, output_dir / "benchmark.png")
+
+
+README_BLOCK = re.compile(r"(<!-- results: (?P<path>\S+) -->\n)(?P<body>.*?)(<!-- end results -->)", re.S)
+
+
+def published_tables(readme_text):
+    """{path of a published benchmark.md: the text the README shows for it}."""
+    return {match["path"]: match["body"] for match in README_BLOCK.finditer(readme_text)}
+
+
+def publish(report, output_dir):
+    """Copy the run to docs/results/<machine>/ and show its table in the README, verbatim."""
+    target = RESULTS_DIR / machine_slug(report["machine"])
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("benchmark.md", "benchmark.json", "benchmark.png"):
+        shutil.copyfile(output_dir / name, target / name)
+    readme = ROOT / "README.md"
+    path = relative(target / "benchmark.md")
+    body = markdown_body(report)
+    text = readme.read_text(encoding="utf-8")
+    if path in published_tables(text):
+        text = README_BLOCK.sub(lambda m: m.group(1) + body + m.group(4) if m["path"] == path else m.group(0), text)
+        write_text(readme, text)
+        return f"{relative(target)}/ and its table in README.md"
+    return f"{relative(target)}/ (add <!-- results: {path} --> ... <!-- end results --> to README.md to show it)"
 
 
 # ----------------------------------------------------------------------------- main
@@ -565,42 +903,53 @@ def main():
     # Ctrl-C, unwind so that launch_once stops the launch before this process exits.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args = parse_args()
+    if args.list:
+        list_rows(args.variants)
+        return
     args.output_dir.mkdir(parents=True, exist_ok=True)
     gpus = torch.cuda.device_count()
     model, model_note = resolve_model(args.model)
+    cells = plan(args, gpus)
     report = {
         "machine": describe_machine(),
         "versions": library_versions(),
+        "git": git_state(),
         "model": relative(model) if Path(model).is_dir() else model,
         "model_note": model_note,
         "nprocs": args.nprocs,
+        "counts": args.counts,
         "repeat": args.repeat,
         "spread": "min-max over the repeats; the row is the run with the median training time",
+        "noise_floor": None,
         "global_batch": args.global_batch,
         "precision": args.precision,
+        "strategy_args": args.strategy_options,
         "passthrough": args.passthrough,
         "output_dir": relative(args.output_dir),
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "finished": None,
         "all_succeeded": None,
-        "strategies": [],
+        "rows": cells,
     }
-    for line in header_lines(report)[:3]:
+    for line in header_lines(report)[:4]:
         print(line, flush=True)
-    for index, entry in enumerate(args.strategies, 1):
-        prefix = f"[{index}/{len(args.strategies)}] {entry.name}"
-        print(f"{prefix}: {entry.launcher} {entry.script} ...", flush=True)
-        row = run_strategy(entry, args, model, gpus, lambda message: print(f"{prefix}: {message}", flush=True))
-        report["strategies"].append(row)
+
+    def after_each():  # what finished so far survives an interruption
+        report["rows"] = [summarize(cell) for cell in cells]
         report["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
-        write_report(report, args.output_dir, final=False)  # what finished so far survives an interruption
-    report["all_succeeded"] = all(row["status"] == "ok" for row in report["strategies"])
+        write_report(report, args.output_dir, final=False)
+
+    run_all(args, cells, model, gpus, after_each)
+    report["rows"] = [summarize(cell) for cell in cells]
+    report["all_succeeded"] = all(row["status"] == "ok" for row in report["rows"])
     write_report(report, args.output_dir, final=True)
-    print("\n" + terminal_table(report))
-    print(f"\nwritten: {relative(args.output_dir)}/benchmark.md, benchmark.json, benchmark.png and a log per strategy")
+    print("\n" + terminal_report(report))
+    print(f"\nwritten: {relative(args.output_dir)}/benchmark.md, benchmark.json, benchmark.png and a log per row")
+    if args.publish:
+        print(f"published: {publish(report, args.output_dir)}")
     if not report["all_succeeded"]:
-        failed = [row["strategy"] for row in report["strategies"] if row["status"] != "ok"]
-        print(f"not all strategies succeeded: {', '.join(failed)} (the table and their logs say why)", file=sys.stderr)
+        failed = [row["row"] for row in report["rows"] if row["status"] != "ok"]
+        print(f"not all rows succeeded: {', '.join(failed)} (the table and their logs say why)", file=sys.stderr)
         sys.exit(1)
 
 

@@ -1,15 +1,16 @@
-"""benchmark.py: runs strategies with their launchers and reports exactly what each run measured."""
+"""benchmark.py: runs rows (strategies and their variants) with their launchers, interleaves repeats,
+sweeps process counts, and reports exactly what each run measured."""
 import argparse
 import json
+import re
 
 import pytest
 
 import benchmark
-from conftest import DEV_SAMPLES, PYTHON, SAMPLES, read_result, run
+import common
+from conftest import DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, require, run
 
-# Two launches per runner test: the single-device baseline and DDP under torchrun.
-RUNNER = [PYTHON, "benchmark.py", "--only", "single,ddp", "--nprocs", "2",
-          "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2"]
+DATA = ["--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2"]
 # result.json key for each number of a benchmark.json row
 SAME_AS_RESULT = {"processes": "world_size", "device": "device", "precision": "precision",
                   "precision_native": "precision_native", "threads_per_process": "threads_per_process",
@@ -23,56 +24,88 @@ def load_report(output_dir):
     return json.loads((output_dir / "benchmark.json").read_text(encoding="utf-8"))
 
 
-def test_runner_writes_table_json_and_chart_from_each_runs_result(tmp_path):
-    process = run([*RUNNER, "--output-dir", str(tmp_path)], timeout=900)
+def table_line(text, name):
+    return next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
 
+
+def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_process_run(tmp_path):
+    """single, and ddp at 1 and 3 processes, twice each: 6 launches."""
+    process = run([PYTHON, "benchmark.py", "--only", "single,ddp", "--nprocs", "1,3", "--repeat", "2", *DATA,
+                   "--output-dir", str(tmp_path)], timeout=1200)
     report = load_report(tmp_path)
-    assert report["all_succeeded"] is True and report["model"] == "tiny" and report["nprocs"] == 2
-    rows = {row["strategy"]: row for row in report["strategies"]}
-    assert list(rows) == ["single", "ddp"]
-    for name, row in rows.items():
-        result = read_result(tmp_path / name)
-        assert row["status"] == "ok" and row["reason"] is None
-        for key, result_key in SAME_AS_RESULT.items():
-            assert row[key] == result[result_key], (name, key)
-        assert row["dev_samples"] == DEV_SAMPLES and row["wall_seconds"] > row["train_seconds"] > 0
-        assert row["precision"] == "fp32" and row["precision_native"] is True
-        assert len(row["runs"]) == 1 and (tmp_path / f"{name}.log").is_file()
-    assert rows["single"]["processes"] == 1 and rows["single"]["global_batch"] == 32
-    assert rows["ddp"]["processes"] == 2 and rows["ddp"]["global_batch"] == 64
-    assert rows["single"]["speedup"] == 1.0
-    assert rows["ddp"]["speedup"] == round(rows["ddp"]["samples_per_second"] / rows["single"]["samples_per_second"], 3)
-    assert rows["ddp"]["command"].startswith(".venv/bin/torchrun --nproc_per_node 2 --master_port ")
-    assert f"--output-dir {tmp_path / 'ddp'}" in rows["ddp"]["command"]
-    assert rows["ddp"]["command"].endswith(f"--model tiny --max-samples {SAMPLES} --dev-ratio 0.2")
+    assert report["all_succeeded"] is True and report["model"] == "tiny" and report["counts"] == [1, 3]
+    rows = {row["row"]: row for row in report["rows"]}
+    assert list(rows) == ["single", "ddp-n1", "ddp-n3"]  # single does not depend on --nprocs: once
+    # Round-robin: every row's first launch before any row's second (plain lines: output is not a terminal).
+    order = re.findall(r"^\[\d+/6\] (\S+) run (\d)/2: ok", process.stdout, re.M)
+    assert order == [(name, repeat) for repeat in "12" for name in rows], process.stdout
+    assert "\r" not in process.stdout and "\x1b" not in process.stdout
 
-    # The Markdown table and the terminal show the same figures, with the machine and the model.
-    table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
-    assert "machine: " in table and "cores" in table and "torch " in table and "model: tiny" in table
     for name, row in rows.items():
-        line = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
-        for figure in (f"{row['train_seconds']:.1f}", f"{row['samples_per_second']:.1f}", f"{row['dev_accuracy']:.4f}",
-                       f"{row['dev_macro_f1']:.4f}", f"{row['wall_seconds']:.1f}", f"`{row['command']}`",
-                       f"{row['tokens_per_sample']:.1f}+{row['padded_tokens_per_sample']:.1f}",
-                       f"{row['processes']} | {row['threads_per_process']}"):
-            assert f" {figure} |" in line, (name, figure)
-        assert any(l.startswith(f"{name} ") and f"{row['dev_accuracy']:.4f}" in l for l in process.stdout.splitlines())
+        assert row["status"] == "ok" and len(row["runs"]) == 2
+        seconds = sorted(run["train_seconds"] for run in row["runs"])
+        assert (row["train_seconds"], row["train_seconds_min"], row["train_seconds_max"]) == (
+            seconds[0], seconds[0], seconds[1])  # the lower median of two, and the spread
+        assert row["relative_spread"] == round((seconds[1] - seconds[0]) / seconds[0], 4)
+        median = next(run for run in row["runs"] if run["train_seconds"] == row["train_seconds"])
+        for key, result_key in SAME_AS_RESULT.items():
+            assert row[key] == median[result_key], (name, key)
+        assert row["dev_samples"] == DEV_SAMPLES and row["precision"] == "fp32"
+    assert read_result(tmp_path / "ddp-n3")["world_size"] == 3
+    assert report["noise_floor"] == max(row["relative_spread"] for row in rows.values())
+
+    ddp1, ddp3 = rows["ddp-n1"], rows["ddp-n3"]
+    assert (ddp1["processes"], ddp3["processes"], ddp3["global_batch"]) == (1, 3, 96)  # weak scaling
+    assert ddp3["speedup"] == round(ddp3["samples_per_second"] / rows["single"]["samples_per_second"], 3)
+    assert ddp3["speedup_vs_1_process"] == round(ddp3["samples_per_second"] / ddp1["samples_per_second"], 3)
+    assert ddp3["scaling_efficiency"] == round(ddp3["speedup_vs_1_process"] / 3, 3)
+    assert "speedup_vs_1_process" not in rows["single"]
+
+    table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
+    assert f"noise floor: {report['noise_floor']:.1%}" in table and "Scaling:" in table
+    assert f"3 processes exceed the {common.usable_cores()} usable cores" in table or common.usable_cores() >= 3
+    line = table_line(table, "ddp-n3")
+    for figure in (f"{ddp3['train_seconds']:.1f} ({ddp3['train_seconds_min']:.1f}-{ddp3['train_seconds_max']:.1f})",
+                   f"{ddp3['samples_per_second']:.1f}", f"{ddp3['dev_accuracy']:.4f}", str(DEV_SAMPLES)):
+        assert f" {figure} " in line, figure
+    assert f"| ddp-n3 | 3 | {ddp3['samples_per_second']:.1f} | {ddp3['speedup_vs_1_process']:.2f}x |" in table
+    assert report["git"]["commit"] and isinstance(report["git"]["modified"], bool)
     chart = (tmp_path / "benchmark.png").read_bytes()
     assert chart.startswith(b"\x89PNG") and len(chart) > 10_000
     assert not list(tmp_path.glob(".*tmp*")), "a temporary file was left behind"
 
 
-def test_a_failing_strategy_is_reported_and_the_others_still_run(tmp_path):
+def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy(tmp_path):
+    require("deepspeed")
+    # --offload is a DeepSpeed option: single-gpu-cls.py would refuse it, had it leaked there.
+    process = run([PYTHON, "benchmark.py", "--only", "single,deepspeed-zero2,deepspeed-zero3", "--nprocs", "2",
+                   "--strategy-args", "deepspeed=--offload none", *DATA, "--output-dir", str(tmp_path)],
+                  timeout=1200)
+    rows = {row["row"]: row for row in load_report(tmp_path)["rows"]}
+    assert [row["status"] for row in rows.values()] == ["ok"] * 3, process.stdout
+    assert "--offload" not in rows["single"]["command"]
+    for stage in (2, 3):
+        row = rows[f"deepspeed-zero{stage}"]
+        assert row["command"].endswith(f"--offload none --zero-stage {stage}")
+        assert row["zero_stage"] == read_result(tmp_path / f"deepspeed-zero{stage}")["zero_stage"] == stage
+        assert row["precision"] == "fp32" and row["dev_samples"] == DEV_SAMPLES
+    table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
+    assert "noise floor: not measured" in table
+    assert table_line(table, "deepspeed-zero3").startswith("| deepspeed-zero3 | 2 | fp32 | 64 |")
+
+
+def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     # A stale result from an earlier run must not be reported for a launch that fails.
     (tmp_path / "ddp").mkdir()
     (tmp_path / "ddp" / "result.json").write_text('{"train_seconds": 1.0}', encoding="utf-8")
     # Rank 1 exists only in the 2-process DDP run: the single-device run is untouched.
-    process = run([*RUNNER, "--output-dir", str(tmp_path)], env={"SUITE_FAIL_AT": "1:2"}, check=False, timeout=900)
+    process = run([PYTHON, "benchmark.py", "--only", "single,ddp", *DATA, "--output-dir", str(tmp_path)],
+                  env={"SUITE_FAIL_AT": "1:2"}, check=False, timeout=900)
 
     assert process.returncode == 1, process.stdout + process.stderr
-    assert "not all strategies succeeded: ddp" in process.stderr
+    assert "not all rows succeeded: ddp" in process.stderr
     report = load_report(tmp_path)
-    single, ddp = report["strategies"]
+    single, ddp = report["rows"]
     assert report["all_succeeded"] is False
     assert single["status"] == "ok" and single["train_seconds"] == read_result(tmp_path / "single")["train_seconds"]
     assert ddp["status"] == "failed"
@@ -81,16 +114,19 @@ def test_a_failing_strategy_is_reported_and_the_others_still_run(tmp_path):
     assert "train_seconds" not in ddp and not (tmp_path / "ddp" / "result.json").exists()
     assert "Traceback" in (tmp_path / "ddp.log").read_text(encoding="utf-8")  # the whole log is kept
     table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
-    ddp_line = next(line for line in table.splitlines() if line.startswith("| ddp |"))
-    assert "failed: exit status 1: error: rank 1 failed" in ddp_line
+    assert "failed: exit status 1: error: rank 1 failed" in table_line(table, "ddp")
     assert (tmp_path / "benchmark.png").is_file()
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--only", "single,fsdp"], "error: --only: unknown strategy fsdp; choose from single,dataparallel,"),
-    (["--global-batch", "33", "--nprocs", "2"], "error: --global-batch 33 does not split evenly over --nprocs 2"),
+    (["--only", "single,fsdp"], "error: --only: unknown row fsdp; choose from single,dataparallel,"),
+    (["--global-batch", "64", "--nprocs", "1,2,3"], "error: --global-batch 64 does not split evenly over 3 processes"),
     (["--global-batch", "64", "--batch-size", "16"], "error: --global-batch sets each script's --batch-size"),
-    (["--only", "single", "--skip", "single"], "error: --only and --skip leave no strategy to run"),
+    (["--only", "single", "--skip", "single"], "error: --only and --skip leave no row to run"),
+    (["--nprocs", "1,x"], "error: --nprocs takes process counts of at least 1"),
+    (["--variant", "mine=fsdp:--x"], "error: --variant mine: unknown strategy fsdp"),
+    (["--variant", "mine"], "error: --variant 'mine': write NAME=STRATEGY:\"OPTIONS\""),
+    (["--strategy-args", "zero=--zero-stage 3"], "error: --strategy-args 'zero=--zero-stage 3': write STRATEGY="),
 ])
 def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
     process = run([PYTHON, "benchmark.py", *options, "--output-dir", str(tmp_path)], check=False, timeout=120)
@@ -98,7 +134,22 @@ def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
     assert "Traceback" not in process.stderr and not list(tmp_path.iterdir())
 
 
-def test_every_launch_line_and_the_batch_per_device():
+def test_list_shows_every_row_and_a_variant_of_ones_own():
+    output = run([PYTHON, "benchmark.py", "--list", "--variant", "mine=deepspeed:--zero-stage 1"]).stdout
+    for variant in benchmark.BUILT_IN_VARIANTS:
+        assert re.search(rf"^  {re.escape(variant.name)} +{variant.strategy} ", output, re.M), variant.name
+    assert re.search(r"^  mine +deepspeed +--zero-stage 1 +from the command line", output, re.M)
+
+
+def options_for(row, gpus=0, nprocs=2, **overrides):
+    values = dict(max_samples=None, epochs=None, batch_size=None, global_batch=None, precision=None,
+                  passthrough=[], strategy_options={})
+    args = argparse.Namespace(**{**values, **overrides})
+    variants = {variant.name: variant for variant in benchmark.BUILT_IN_VARIANTS}
+    return benchmark.script_options(args, variants[row], benchmark.ROOT / "out", "tiny", gpus, nprocs)
+
+
+def test_every_launch_line_and_the_options_each_row_gets():
     lines = {name: entry.launch(entry.script, 2, 0) for name, entry in benchmark.STRATEGIES.items()}
     assert len(lines) == 8 and all(entry.script in lines[name] for name, entry in benchmark.STRATEGIES.items())
     assert lines["ddp"][:3] == [".venv/bin/torchrun", "--nproc_per_node", "2"] and lines["ddp"][4].isdigit()
@@ -110,43 +161,59 @@ def test_every_launch_line_and_the_batch_per_device():
     assert "--gpu-ids" not in lines["dataparallel"]
     assert benchmark.launch_dataparallel("dp.py", 2, 2)[-2:] == ["--gpu-ids", "0,1"]
 
-    def batch(strategy, gpus, batch_size=None, global_batch=None):
-        args = argparse.Namespace(nprocs=2, batch_size=batch_size, global_batch=global_batch)
-        return benchmark.batch_options(args, benchmark.STRATEGIES[strategy], gpus)
+    def batch(row, gpus, nprocs=2, **sizes):
+        options = options_for(row, gpus, nprocs, **sizes)
+        return options[options.index("--batch-size"):][:2] if "--batch-size" in options else []
 
     # The same batch per device: DataParallel's one process splits its batch over its GPUs.
     assert batch("single", 0) == batch("ddp", 0) == batch("dataparallel", 0) == []  # the scripts' own 32
     assert batch("dataparallel", 2) == ["--batch-size", "64"]
     assert batch("ddp", 2, batch_size=16) == ["--batch-size", "16"]
     assert batch("dataparallel", 2, batch_size=16) == ["--batch-size", "32"]
-    # The same global batch: per device, N / devices.
+    # The same global batch (strong scaling): per device, N / devices, at every process count.
     assert batch("single", 0, global_batch=64) == ["--batch-size", "64"]
     assert batch("deepspeed", 0, global_batch=64) == ["--batch-size", "32"]
-    assert batch("dataparallel", 0, global_batch=64) == ["--batch-size", "64"]
+    assert batch("deepspeed", 0, nprocs=4, global_batch=64) == ["--batch-size", "16"]
     assert batch("dataparallel", 2, global_batch=64) == ["--batch-size", "64"]
 
-    args = argparse.Namespace(max_samples=None, epochs=2, batch_size=None, global_batch=64, nprocs=2,
-                              precision=None, passthrough=["--lr", "1e-4"])
-    options = benchmark.script_options(args, benchmark.STRATEGIES["ddp"], benchmark.ROOT / "out", "tiny", 0)
-    assert options == ["--output-dir", "out", "--model", "tiny", "--epochs", "2", "--batch-size", "32", "--lr", "1e-4"]
+    assert options_for("ddp", epochs=2, passthrough=["--lr", "1e-4"]) == [
+        "--output-dir", "out", "--model", "tiny", "--epochs", "2", "--lr", "1e-4"]
     # --precision reaches the strategies that offer mixed precision, and only those.
-    args.precision = "bf16"
-    offered = {name for name, entry in benchmark.STRATEGIES.items()
-               if "--precision" in benchmark.script_options(args, entry, benchmark.ROOT / "out", "tiny", 0)}
+    offered = {entry for entry in benchmark.STRATEGIES if "--precision" in options_for(entry, precision="bf16")}
     assert offered == {"ddp-amp", "deepspeed", "accelerate"}
+    # Per-strategy options reach every row of that strategy and no other; a variant's own come last.
+    chosen = {"deepspeed": ["--offload", "none"]}
+    assert options_for("deepspeed-zero3", strategy_options=chosen)[-4:] == ["--offload", "none", "--zero-stage", "3"]
+    assert "--offload" not in options_for("ddp", strategy_options=chosen)
 
 
-def test_an_emulated_precision_is_marked_in_the_table():
+def test_an_emulated_precision_and_the_zero_stage_are_marked_in_the_table():
     row = {"precision": "bf16", "precision_native": False, "device": "cpu"}
     assert benchmark.precision_label(row) == "bf16, emulated on this CPU"
     assert benchmark.precision_label({**row, "precision_native": True}) == "bf16"
+    assert benchmark.row_label({"row": "deepspeed", "zero_stage": 2}) == "deepspeed (ZeRO-2)"
+    assert benchmark.row_label({"row": "deepspeed-zero3", "zero_stage": 3}) == "deepspeed-zero3"
+
+
+def test_a_speedup_within_the_noise_floor_of_another_is_marked():
+    def row(name, samples_per_second, seconds):
+        return {"row": name, "variant": name, "strategy": "ddp" if name != "single" else "single", "nprocs": 2,
+                "status": "ok", "runs": [{}] * len(seconds), "samples_per_second": samples_per_second,
+                "relative_spread": round((max(seconds) - min(seconds)) / sorted(seconds)[0], 4)}
+    report = {"rows": [row("single", 100.0, [10.0, 10.5]), row("a", 120.0, [8.0, 8.2]), row("b", 124.0, [8.1, 8.3])]}
+    benchmark.add_figures(report)
+    assert report["noise_floor"] == 0.05
+    single, a, b = report["rows"]
+    assert a["indistinguishable_from"] == ["b"] and b["indistinguishable_from"] == ["a"]
+    assert single["indistinguishable_from"] == []
+    assert benchmark.speedup_cell(a) == "1.20x ~" and benchmark.speedup_cell(single) == "1.00x"
 
 
 def test_missing_script_or_dependency_is_a_reason_not_a_crash(tmp_path):
     missing_script = benchmark.Entry("x", "no-such-script.py", "python", benchmark.launch_single)
     assert benchmark.why_not_ready(missing_script, ["python"]) == "script no-such-script.py not found"
     missing_module = benchmark.Entry("x", "single-gpu-cls.py", "python", benchmark.launch_single,
-                                      needs="no_such_module_here")
+                                     needs="no_such_module_here")
     assert "needs the Python module no_such_module_here" in benchmark.why_not_ready(missing_module, ["python"])
 
     log = tmp_path / "x.log"
@@ -155,3 +222,15 @@ def test_missing_script_or_dependency_is_a_reason_not_a_crash(tmp_path):
     assert benchmark.failure_reason(log) == "error: rank 1 failed: RuntimeError: boom"
     log.write_text("Traceback (most recent call last):\nValueError: bad\nexit\n", encoding="utf-8")
     assert benchmark.failure_reason(log) == "ValueError: bad"
+
+
+def test_the_readme_shows_the_committed_benchmark_verbatim():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    published = benchmark.published_tables(readme)
+    assert published, "the README shows no committed benchmark run"
+    for path, shown in published.items():
+        committed = (ROOT / path).read_text(encoding="utf-8")
+        assert committed == "# Benchmark\n\n" + shown, f"README.md differs from {path}: run benchmark.py --publish"
+        folder = (ROOT / path).parent
+        assert (folder / "benchmark.json").is_file() and (folder / "benchmark.png").is_file()
+        assert json.loads((folder / "benchmark.json").read_text(encoding="utf-8"))["repeat"] >= 3
