@@ -37,6 +37,8 @@ LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
 HUB_MODEL_ID = "hfl/chinese-bert-wwm-ext"
 LOCAL_MODEL_DIR = ROOT / "model_hub" / "chinese-bert-wwm-ext"
 DEFAULT_LR = {"tiny": 1e-3, "pretrained": 3e-5}
+# A training checkpoint (--save-steps, --resume): the state, and what its step means, readable by a person.
+CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"
 PRECISIONS = ["fp32", "bf16", "fp16"]
 # CPU flags of native 16-bit arithmetic (/proc/cpuinfo); without them torch emulates the type in fp32.
 NATIVE_CPU_FLAGS = {"bf16": {"avx512_bf16", "amx_bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}
@@ -148,12 +150,33 @@ def check_args(args):
         raise UserError(f"--save-steps must be 0 or more, got {args.save_steps}")
     if not 0 < args.dev_ratio < 1:
         raise UserError(f"--dev-ratio must be between 0 and 1, got {args.dev_ratio}")
+    if args.lr is not None and not args.lr > 0:
+        raise UserError(f"--lr must be positive, got {args.lr:g}")
+    if args.weight_decay < 0:
+        raise UserError(f"--weight-decay must be 0 or more, got {args.weight_decay:g}")
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise UserError(f"--output-dir {args.output_dir} is a file, not a folder")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1, got {args.threads}")
     for name in ("epochs", "batch_size", "max_seq_len", "log_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
+
+
+def launch_environment(how_to_launch):
+    """(rank, world size, local rank, processes on this machine) as the launcher set them, or one line
+    saying what is missing."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UserError(f"this script runs under a launcher: {how_to_launch} (see the README)")
+    local = {"LOCAL_RANK": os.environ.get("LOCAL_RANK"),
+             "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")}
+    missing = [name for name, value in local.items() if value is None]
+    if missing:
+        raise UserError(f"the launcher set RANK and WORLD_SIZE but not {' and '.join(missing)}: set them too "
+                        "(this process's index on its machine, and the processes there), as torchrun does")
+    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(local["LOCAL_RANK"]),
+            int(local["LOCAL_WORLD_SIZE"]))
 
 
 def set_seed(seed):
@@ -253,13 +276,18 @@ def load_records(path):
     for index, record in enumerate(raw):
         if not (isinstance(record, list) and len(record) == 2 and isinstance(record[0], str)):
             raise UserError(f"{path}: record {index} is not [text, label]: {str(record)[:80]}")
-        text, label = "".join(record[0].split()), record[1]
+        text, label = normalize_text(record[0]), record[1]
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(LABELS):
             raise UserError(f"{path}: record {index} has label {label!r}; labels are integers 0-{len(LABELS) - 1}")
         if not text:
             raise UserError(f"{path}: record {index} has an empty text")
         records.append((text, label))
     return records
+
+
+def normalize_text(text):
+    """Texts come word-segmented with spaces; BERT's Chinese tokenizer wants the characters joined."""
+    return "".join(text.split())
 
 
 def split_records(records, max_samples, dev_ratio, seed):
@@ -382,8 +410,11 @@ def eval_sampler(dataset, args, num_replicas=1, rank=0):
 
 
 def make_loader(dataset, args, tokenizer, batch_sampler):
+    # A generator of its own: each epoch's iterator draws a seed from it, not from torch's global
+    # generator, so the dropout masks after a --resume are those of the uninterrupted run.
     return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=PadToLongest(tokenizer.pad_token_id),
-                      num_workers=args.num_workers, pin_memory=torch.cuda.is_available())
+                      num_workers=args.num_workers, pin_memory=torch.cuda.is_available(),
+                      generator=torch.Generator().manual_seed(args.seed))
 
 
 def each_sample_once(indices, weights, *columns):
@@ -397,7 +428,9 @@ def each_sample_once(indices, weights, *columns):
 # ----------------------------------------------------------------------------- model
 
 def resolve_model(choice):
-    """Turn --model into 'tiny', a local folder or a hub id; 'auto' falls back step by step."""
+    """Turn --model into 'tiny', a local folder or a hub id; 'auto' falls back step by step. Call it
+    in one process and share the answer: processes that probe the network each on its own may
+    disagree."""
     if choice != "auto":
         return choice
     if LOCAL_MODEL_DIR.is_dir():
@@ -447,9 +480,9 @@ def build_tiny_model(train_texts, seed, config_overrides):
     return tokenizer, model
 
 
-def load_model(args, train_texts):
-    """Return (tokenizer, model, model name, learning rate) for --model, with the 6 emotion labels."""
-    name = resolve_model(args.model)
+def load_model(args, train_texts, name):
+    """Return (tokenizer, model, model name, learning rate) for the resolved --model `name`, with the
+    6 emotion labels."""
     overrides = {"num_labels": len(LABELS), "id2label": dict(enumerate(LABELS)),
                  "label2id": {label: i for i, label in enumerate(LABELS)}}
     if args.dropout is not None:
@@ -500,6 +533,7 @@ class Strategy:
     def __init__(self, device, rank=0, world_size=1, precision="fp32", local_world_size=1):
         self.device, self.rank, self.world_size, self.precision = device, rank, world_size, precision
         self.local_world_size = local_world_size  # processes on this machine, which share its cores
+        self.accumulation_steps = 1  # micro batches per optimizer step
 
     @property
     def is_main(self):
@@ -530,19 +564,46 @@ class Strategy:
         if self.is_main:
             save_model(self.unwrap(model), tokenizer, path)
 
-    def save_state(self, model, optimizer, step, path):
-        """Save what --resume needs: weights, optimizer moments and the step reached."""
+    def broadcast_object(self, value):
+        """Rank 0's `value` in every process."""
+        return value
+
+    def gather_objects(self, value):
+        """Every process's `value`, in rank order, in every process."""
+        return [value]
+
+    def save_state(self, model, optimizer, path, state):
+        """Write a training checkpoint: the weights, the optimizer moments and `state` (the step, what
+        it means, every process's random states, the strategy's own). Rank 0 writes it into a staged
+        folder swapped in whole: a half-written checkpoint is never taken for one."""
         if self.is_main:
-            state = {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "step": step}
             with staged_dir(path) as staging:
-                torch.save(state, staging / "training_state.pt")
+                torch.save({"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), **state},
+                           staging / CHECKPOINT_FILE)
+                write_json(staging / MEANING_FILE, {"step": state["step"], **state["meaning"]})
+
+    def checkpoint_meaning(self, path):
+        """The step and settings of the complete checkpoint in `path`, or None when there is none."""
+        path = Path(path)
+        if not (path / CHECKPOINT_FILE).is_file() or not (path / MEANING_FILE).is_file():
+            return None
+        return json.loads((path / MEANING_FILE).read_text(encoding="utf-8"))
 
     def load_state(self, model, optimizer, path):
-        """Restore a `save_state` checkpoint in every process; returns the step to continue from."""
-        state = torch.load(Path(path) / "training_state.pt", map_location=self.device)
-        self.unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        return state["step"]
+        """Restore a `save_state` checkpoint in every process; returns its `state`. weights_only: a
+        checkpoint someone hands you holds tensors and plain values, and loading it runs no code."""
+        # Loaded to the CPU; load_state_dict copies each tensor to where its parameter lives.
+        state = torch.load(Path(path) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        self.unwrap(model).load_state_dict(state.pop("model"))
+        optimizer.load_state_dict(state.pop("optimizer"))
+        return state
+
+    def extra_state(self):
+        """The strategy's own state that --resume restores (a gradient scaler's), as plain values."""
+        return {}
+
+    def load_extra_state(self, state):
+        pass
 
     def versions(self):
         """Versions of the strategy's own libraries, for the result file."""
@@ -559,6 +620,16 @@ class Strategy:
 
 class TorchDistributed(Strategy):
     """Logging and evaluation collectives over torch.distributed (DDP and DeepSpeed use it)."""
+
+    def broadcast_object(self, value):
+        values = [value]
+        dist.broadcast_object_list(values, src=0)
+        return values[0]
+
+    def gather_objects(self, value):
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
 
     def reduce_mean(self, tensor):
         # SUM then divide by the world size: ReduceOp.AVG exists only on NCCL.
@@ -629,16 +700,44 @@ class Trainer:
             write_json(self.output_dir / "result.json", result)
         return result
 
+    def meaning(self):
+        """What a step of this run means: a checkpoint resumes only into a run where all of it is equal."""
+        args, strategy = self.args, self.strategy
+        return {"world_size": strategy.world_size, "batch_size_per_process": args.batch_size,
+                "global_batch_size": strategy.global_batch_size(args.batch_size),
+                "gradient_accumulation_steps": strategy.accumulation_steps, "data": str(Path(args.data).resolve()),
+                "max_samples": args.max_samples, "dev_ratio": args.dev_ratio, "seed": args.seed,
+                "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length, "model": self.model_name}
+
+    def save_checkpoint(self, step):
+        state = {"step": step, "meaning": self.meaning(),
+                 "random_states": self.strategy.gather_objects(random_states()),
+                 "strategy_state": self.strategy.extra_state()}
+        self.strategy.save_state(self.model, self.optimizer, self.output_dir / "checkpoint", state)
+
     def resume_step(self):
-        checkpoint = self.output_dir / "checkpoint"
+        """With --resume, restore the checkpoint in --output-dir and return its step (else 0). Rank 0
+        decides whether there is one; every process must be able to read it."""
+        checkpoint, strategy = self.output_dir / "checkpoint", self.strategy
         if not self.args.resume:
             return 0
-        if not checkpoint.is_dir():
+        saved = strategy.checkpoint_meaning(checkpoint)
+        if not strategy.broadcast_object(saved is not None):
             self.log(f"--resume: no checkpoint in {checkpoint}, starting from step 0")
             return 0
-        step = self.strategy.load_state(self.model, self.optimizer, checkpoint)
-        self.log(f"--resume: continuing from step {step} ({checkpoint})")
-        return step
+        if strategy.reduce_mean(torch.tensor(float(saved is not None), device=strategy.device)).item() < 1:
+            raise UserError(f"--resume: rank 0 found a checkpoint in {checkpoint} that another process cannot "
+                            "read: --output-dir must be on a filesystem every machine shares")
+        differences = [f"{key} {saved.get(key)!r} (now {value!r})" for key, value in self.meaning().items()
+                       if saved.get(key) != value]
+        if differences:
+            raise UserError(f"--resume: the checkpoint in {checkpoint} was written with " + ", ".join(differences)
+                            + ": its step means other samples here. Resume with its settings, or remove it")
+        state = strategy.load_state(self.model, self.optimizer, checkpoint)
+        set_random_states(state["random_states"][strategy.rank])
+        strategy.load_extra_state(state["strategy_state"])
+        self.log(f"--resume: continuing from step {state['step']} ({checkpoint})")
+        return state["step"]
 
     def train(self, first_step=0):
         """The training loop; returns what it did: seconds, steps, samples and tokens, last loss."""
@@ -684,7 +783,7 @@ class Trainer:
                     self.log(f"【train】 epoch：{epoch}/{args.epochs} step：{step}/{total_steps} loss：{last_loss:.6f}")
                 if args.save_steps and step % args.save_steps == 0 and step != total_steps:
                     pause = time.perf_counter()
-                    strategy.save_state(self.model, self.optimizer, step, self.output_dir / "checkpoint")
+                    self.save_checkpoint(step)
                     paused_seconds += time.perf_counter() - pause
                 if args.eval_steps and step % args.eval_steps == 0 and step != total_steps:
                     pause = time.perf_counter()
@@ -777,6 +876,26 @@ class Trainer:
         print(f"saved: {self.output_dir / 'model'} and {self.output_dir / 'result.json'}")
 
 
+def random_states():
+    """This process's random-number states, as tensors and plain values (loadable with weights_only)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}  # this process's GPU
+
+
+def set_random_states(states):
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(states["torch"].cpu())
+    if states["cuda"] is not None:
+        torch.cuda.set_rng_state(states["cuda"].cpu())
+
+
 def count_tokens(batch):
     """Real tokens of the batch's real samples, and tokens computed (padding and repeats included)."""
     real = batch["attention_mask"][batch["weight"] > 0].sum()
@@ -853,14 +972,15 @@ def write_json(path, data):
     os.replace(staging, path)
 
 
-def prepare_data(args):
-    """Load, split and encode the data and load the model for it.
+def prepare_data(args, strategy):
+    """Load, split and encode the data and load the model for it; rank 0 resolves --model for all.
 
     Returns (train set, dev set, tokenizer, model, model name, learning rate).
     """
     records = load_records(args.data)
     train_records, dev_records = split_records(records, args.max_samples, args.dev_ratio, args.seed)
-    tokenizer, model, model_name, lr = load_model(args, [text for text, _ in train_records])
+    name = strategy.broadcast_object(resolve_model(args.model) if strategy.is_main else None)
+    tokenizer, model, model_name, lr = load_model(args, [text for text, _ in train_records], name)
     train_set = EncodedDataset(train_records, tokenizer, args.max_seq_len)
     dev_set = EncodedDataset(dev_records, tokenizer, args.max_seq_len)
     return train_set, dev_set, tokenizer, model, model_name, lr

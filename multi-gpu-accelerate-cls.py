@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import accelerate
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 
 import common
 
@@ -49,8 +49,22 @@ class Accelerate(common.Strategy):
         # out the processes' last batches.
         return self.accelerator.gather(tensor)
 
+    def broadcast_object(self, value):
+        return broadcast_object_list([value])[0]
+
+    def gather_objects(self, value):
+        return gather_object([value])
+
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)
+
+    def extra_state(self):
+        # fp16's gradient scaler lives in the Accelerator (GPUs only); bf16 and fp32 have none.
+        return {"scaler": self.accelerator.scaler.state_dict()} if self.accelerator.scaler else {}
+
+    def load_extra_state(self, state):
+        if "scaler" in state:
+            self.accelerator.scaler.load_state_dict(state["scaler"])
 
     def versions(self):
         return {"accelerate": accelerate.__version__}
@@ -86,7 +100,7 @@ def main():
         accelerator.print(f"accelerate: {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
                           f"mixed precision {accelerator.mixed_precision}")
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
 
         # 3. The loaders are sharded as in the DDP script, by this process's index, not by prepare().
         #    prepare() would deal each process every N-th batch of one loader, and so that every

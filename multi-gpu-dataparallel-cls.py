@@ -60,7 +60,7 @@ def main():
     device = torch.device("cuda", gpu_ids[0]) if gpu_ids else torch.device("cpu")
     strategy = DataParallelStrategy(device)
 
-    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
     model.to(device)
     # 2. Each forward pass splits the batch over the GPUs (--batch-size is the whole batch: pass
     #    32 x GPUs to give each GPU what DDP gives each process), runs a copy of the model on each and

@@ -47,6 +47,7 @@ class DeepSpeed(common.TorchDistributed):
         super().__init__(device, rank, world_size, precision, local_world_size)
         self.config = config
         self.zero_stage = config["zero_optimization"]["stage"]
+        self.accumulation_steps = config["gradient_accumulation_steps"]
         self.engine = None  # set once deepspeed.initialize has built it
 
     def backward(self, loss):
@@ -91,20 +92,30 @@ class DeepSpeed(common.TorchDistributed):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         return get_fp32_state_dict_from_zero_checkpoint(str(shard_dir.parent), tag=shard_dir.name)
 
-    def save_state(self, model, optimizer, step, path):
-        # --save-steps: DeepSpeed's own sharded checkpoint, every rank its part; `latest` names
-        # the newest complete one, older ones are removed.
-        self.engine.save_checkpoint(path, tag=f"step{step}", client_state={"step": step})
+    def save_state(self, model, optimizer, path, state):
+        # --save-steps: DeepSpeed's own sharded checkpoint, every rank its part. It writes `latest`,
+        # the name of the newest complete one, last: until then the previous one stands. Older
+        # ones are removed after.
+        tag = Path(path) / f"step{state['step']}"
+        if self.is_main:
+            tag.mkdir(parents=True, exist_ok=True)
+            common.write_json(tag / common.MEANING_FILE, {"step": state["step"], **state["meaning"]})
+        self.engine.save_checkpoint(path, tag=tag.name, client_state=state)
         if self.is_main:
             for old in Path(path).glob("step*"):
-                if old.name != f"step{step}":
+                if old != tag:
                     shutil.rmtree(old)
 
+    def checkpoint_meaning(self, path):
+        latest = Path(path) / "latest"
+        if not latest.is_file():
+            return None
+        meaning = Path(path) / latest.read_text(encoding="utf-8").strip() / common.MEANING_FILE
+        return json.loads(meaning.read_text(encoding="utf-8")) if meaning.is_file() else None
+
     def load_state(self, model, optimizer, path):
-        loaded, client_state = self.engine.load_checkpoint(path)
-        if loaded is None:
-            raise common.UserError(f"--resume: {path} holds no complete DeepSpeed checkpoint ('latest' is missing)")
-        return client_state["step"]
+        _, state = self.engine.load_checkpoint(path)
+        return state
 
     def global_batch_size(self, batch_size):
         return self.config["train_batch_size"]  # micro batch x processes x accumulation steps
@@ -138,19 +149,10 @@ def add_deepspeed_args(parser):
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
 
 
-def launch_info():
-    """Rank, world size, local rank and processes on this machine, as the deepspeed launcher sets them."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise common.UserError("this script runs under a launcher: deepspeed --num_gpus N "
-                               "multi-gpu-deepspeed-cls.py (see the README)")
-    local_world_size = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"]
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), int(local_world_size)
-
-
 def import_deepspeed(device):
     """DeepSpeed picks its accelerator once, when first imported: name it, so that --device cpu is
     honoured on a GPU machine (and a CPU machine skips the detection and its warning)."""
-    os.environ.setdefault("DS_ACCELERATOR", device.type)
+    os.environ["DS_ACCELERATOR"] = device.type  # --device wins over an exported DS_ACCELERATOR
     import deepspeed
     return deepspeed
 
@@ -246,7 +248,8 @@ def print_memory_estimate(args, gpus_per_node, nodes):
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     train_records, _ = common.split_records(common.load_records(args.data), args.max_samples, args.dev_ratio,
                                             args.seed)
-    _, model, model_name, _ = common.load_model(args, [text for text, _ in train_records])
+    _, model, model_name, _ = common.load_model(args, [text for text, _ in train_records],
+                                                common.resolve_model(args.model))
     params, largest_layer = model_to_params(model)
     gpus, layout = gpus_per_node * nodes, dict(num_gpus_per_node=gpus_per_node, num_nodes=nodes)
     # Per parameter: 2 bytes of 16-bit weights, 2 of 16-bit and 4 of fp32 gradients, 4 of fp32
@@ -301,7 +304,8 @@ def main():
 
     # 1. The global rank decides who prints and saves; the local rank decides which GPU this
     #    process uses (the launcher also passes it as --local_rank).
-    rank, world_size, local_rank, local_world_size = launch_info()
+    rank, world_size, local_rank, local_world_size = common.launch_environment(
+        "deepspeed --num_gpus N multi-gpu-deepspeed-cls.py")
     device = common.resolve_device(args.device, local_rank)
     deepspeed = import_deepspeed(device)
 
@@ -316,7 +320,7 @@ def main():
     try:
         strategy = DeepSpeed(device, rank, world_size, local_world_size, precision, config)
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
 
         # 4. Our own loaders, sharded exactly as DDP's, instead of DeepSpeed's: the same samples
         #    reach the same ranks in every script, and each dev sample is evaluated once.

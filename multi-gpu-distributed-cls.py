@@ -13,7 +13,6 @@ averages the gradients across processes during backward, so all copies take the 
 Without GPUs the same code runs CPU processes that talk over gloo instead of NCCL.
 """
 import argparse
-import os
 from datetime import timedelta
 
 import torch
@@ -31,14 +30,6 @@ class DDP(common.TorchDistributed):
         return model.module  # save the inner model: no "module." prefixes in the checkpoint
 
 
-def launch_info():
-    """The rank, world size and local rank torchrun (or torch.distributed.launch) gives each process."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise common.UserError("this script runs under a launcher: torchrun --nproc_per_node N "
-                               "multi-gpu-distributed-cls.py (see the README)")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-
-
 def main():
     parser = common.build_parser(__file__, __doc__)
     common.add_distributed_args(parser)
@@ -51,7 +42,8 @@ def main():
 
     # 2. The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
-    rank, world_size, local_rank = launch_info()
+    rank, world_size, local_rank, local_world_size = common.launch_environment(
+        "torchrun --nproc_per_node N multi-gpu-distributed-cls.py")
     device = common.resolve_device(args.device, local_rank)
 
     # 3. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
@@ -59,11 +51,11 @@ def main():
         torch.cuda.set_device(device)
     dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
     try:
-        strategy = DDP(device, rank, world_size, local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+        strategy = DDP(device, rank, world_size, local_world_size=local_world_size)
         if args.local_rank is not None:
             strategy.launcher = "torch.distributed.launch"
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         model.to(device)
         # 4. DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
         #    gradients during backward(), overlapping the communication with the computation.

@@ -55,6 +55,14 @@ class DDPWithAMP(common.TorchDistributed):
         self.scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
+    def extra_state(self):
+        # AMP 4. The scale the scaler has learned is training state: --resume restores it rather
+        #        than starting again at 65536 and skipping steps to find it.
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_extra_state(self, state):
+        self.scaler.load_state_dict(state["scaler"])
+
     def unwrap(self, model):
         return model.module  # save the inner model: no "module." prefixes in the checkpoint
 
@@ -170,7 +178,7 @@ def train(args, rank, local_rank, first_failure):
     try:
         strategy = DDPWithAMP(device, rank, world_size, local_world_size=args.nprocs, precision=args.precision)
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         model.to(device)
         # 5. DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
         #    gradients during backward(), overlapping the communication with the computation.

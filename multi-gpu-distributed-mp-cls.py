@@ -139,7 +139,7 @@ def train(args, rank, local_rank, first_failure):
     try:
         strategy = DDP(device, rank, world_size, local_world_size=args.nprocs)
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         model.to(device)
         # 5. DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
         #    gradients during backward(), overlapping the communication with the computation.

@@ -41,6 +41,14 @@ class Horovod(common.Strategy):
     def gather(self, tensor):
         return hvd.allgather(tensor)
 
+    def broadcast_object(self, value):
+        # Horovod matches collectives across processes by name, by default the value's type name:
+        # rank 0's value and the others' placeholder (None) differ, so name it.
+        return hvd.broadcast_object(value, root_rank=0, name="broadcast_object")
+
+    def gather_objects(self, value):
+        return hvd.allgather_object(value, name="gather_objects")
+
     def result_extras(self):
         return {"gradient_compression": self.gradient_compression}
 
@@ -71,7 +79,7 @@ def main():
         torch.cuda.set_device(device)
     strategy = Horovod(device, "fp16" if args.fp16_allreduce else "none")
 
-    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
     model.to(device)
     # 2. Horovod does not wrap the model, so nothing else makes the copies start equal: send rank 0's
     #    weights to every process (the seed already agrees here; the broadcast makes it certain).

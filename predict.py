@@ -28,6 +28,9 @@ def load_checkpoint(path):
 
 def read_texts(args):
     texts = list(args.texts)
+    for number, text in enumerate(texts, 1):
+        if not text.strip():
+            raise common.UserError(f"text {number} of the arguments is empty: nothing to classify")
     if args.file:
         path = Path(args.file)
         if not path.is_file():
@@ -61,7 +64,9 @@ def main():
 
     texts = read_texts(args)
     tokenizer, model = load_checkpoint(args.checkpoint)
-    for text, (label, probability) in zip(texts, predict(tokenizer, model, texts, args.max_seq_len)):
+    # As in training: the spaces of word-segmented text removed.
+    normalized = [common.normalize_text(text) for text in texts]
+    for text, (label, probability) in zip(texts, predict(tokenizer, model, normalized, args.max_seq_len)):
         print(f"{label}\t{probability:.4f}\t{text}")
 
 

@@ -17,7 +17,7 @@ def main():
     device = common.resolve_device(args.device)
     strategy = common.Strategy(device)
 
-    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args)
+    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
     model.to(device)
 
     train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))

@@ -74,10 +74,12 @@ def main():
     train_records, dev_records = common.split_records(records, args.max_samples, args.dev_ratio, args.seed)
 
     results = {}
+    model_name = common.resolve_model(args.model)
     for name in ("reference", "ours", "ours+group"):
         common.set_seed(args.seed)
         args.group_by_length = name == "ours+group"
-        tokenizer, model, model_name, lr = common.load_model(args, [text for text, _ in train_records])
+        tokenizer, model, model_name, lr = common.load_model(args, [text for text, _ in train_records],
+                                                             model_name)
         model.to(device)
         dev_set = common.EncodedDataset(dev_records, tokenizer, args.max_seq_len)
         train_set = common.EncodedDataset(train_records, tokenizer, args.max_seq_len)

@@ -82,3 +82,29 @@ def test_predict_with_a_missing_checkpoint(tmp_path):
 def test_predict_with_no_text(tmp_path):
     process = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path)], check=False)
     assert_clean_error(process, "no text to classify")
+
+
+@pytest.mark.parametrize("option, value, fragment", [
+    ("--lr", "-1", "--lr must be positive, got -1"),
+    ("--weight-decay", "-0.1", "--weight-decay must be 0 or more"),
+])
+def test_bad_numbers_are_refused_before_any_work(option, value, fragment):
+    assert_clean_error(train(option, value, "--data", "no-such-file.json"), fragment)  # before the data is read
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_training(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("x", encoding="utf-8")
+    assert_clean_error(train("--output-dir", str(path), "--data", "no-such-file.json"), str(path), "is a file")
+
+
+def test_predict_refuses_an_empty_text(tmp_path):
+    process = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path), "你好", ""], check=False)
+    assert_clean_error(process, "text 2 of the arguments is empty")
+
+
+@pytest.mark.parametrize("script", ["multi-gpu-distributed-cls.py", "multi-gpu-deepspeed-cls.py"])
+def test_a_launcher_without_local_rank_gets_one_line(script):
+    """Some srun/mpirun wrappers set RANK and WORLD_SIZE but not the local ones."""
+    process = run([PYTHON, script, *SMALL], env={"RANK": "0", "WORLD_SIZE": "1"}, check=False, timeout=120)
+    assert_clean_error(process, "not LOCAL_RANK and LOCAL_WORLD_SIZE")

@@ -98,18 +98,6 @@ def test_zero3_checkpoint_predicts_the_reported_dev_accuracy(tmp_path):
     assert abs(predict_dev_accuracy(tmp_path) - result["dev_accuracy"]) < 1e-9
 
 
-def test_zero2_resumes_from_its_sharded_checkpoint(tmp_path, single_reference):
-    command = [*EQUIVALENCE, "--zero-stage", "2", "--batch-size", "16", "--save-steps", "4"]
-    crashed = launch(*command, output=tmp_path, env={common.FAIL_AT_ENV: "0:6"}, check=False)
-    assert crashed.returncode != 0 and not (tmp_path / "result.json").exists()
-    assert (tmp_path / "checkpoint" / "latest").read_text() == "step4"
-
-    resumed = launch(*command, "--resume", output=tmp_path)
-    assert "continuing from step 4" in resumed.stdout
-    assert read_result(tmp_path)["resumed_from_step"] == 4
-    assert_same_weights(single_reference / "model", tmp_path / "model")
-
-
 def test_two_machines_without_ssh_end_with_the_single_device_weights(tmp_path, single_reference):
     """The multi-machine launch (a hostfile, one launcher per machine with --no_ssh), simulated by
     two 'machines' of one process each on this computer, with ZeRO-3 in fp32."""

@@ -8,35 +8,11 @@ import time
 
 import pytest
 
-from conftest import (BIN, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, read_result,
-                      require, run)
-
-EQUIVALENCE = [*SMALL, *EXACT]
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, require, run
 
 
 def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-@pytest.mark.parametrize("launch", ["single", "ddp"])
-def test_resume_after_a_crash_ends_like_an_uninterrupted_run(tmp_path, single_reference, launch):
-    if launch == "single":
-        command = [PYTHON, "single-gpu-cls.py", *EQUIVALENCE]
-    else:
-        command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "multi-gpu-distributed-cls.py",
-                   *EQUIVALENCE, "--batch-size", "16"]
-    command += ["--output-dir", str(tmp_path), "--save-steps", "4"]
-    crashed = run(command, env={"SUITE_FAIL_AT": "0:6"}, check=False, timeout=300)
-    assert crashed.returncode != 0 and (tmp_path / "checkpoint").is_dir()
-    assert not (tmp_path / "result.json").exists()
-
-    resumed = run([*command, "--resume"], timeout=300)
-    assert "continuing from step 4" in resumed.stdout
-    result = read_result(tmp_path)
-    assert result["resumed_from_step"] == 4
-    # Throughput counts what this launch trained: the 7 batches after step 4 (6 of 32, one of 12).
-    assert result["samples_trained"] == 332 - 4 * 32
-    assert_same_weights(single_reference / "model", tmp_path / "model")
 
 
 def free_port():

@@ -34,16 +34,18 @@ def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
     _, initial = common.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
     assert not torch.allclose(initial.classifier.weight, weights["classifier.weight"])
 
-    # predict.py's label and probability are what transformers' own pipeline finds in the folder.
-    texts = ["今天天气真好", "气死我了"]
+    # predict.py's label and probability are what transformers' own pipeline finds in the folder, and
+    # it joins word-segmented text as training does.
+    texts = ["今天天气真好", "气死我了", "气死 我 了"]
     predicted = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path / "model"), *texts]).stdout
     lines = predicted.strip().splitlines()
-    expected = transformers.pipeline("text-classification", model=str(tmp_path / "model"), device="cpu")(texts)
-    assert len(lines) == 2
+    expected = transformers.pipeline("text-classification", model=str(tmp_path / "model"), device="cpu")(texts[:2])
+    assert len(lines) == 3
     for line, text, truth in zip(lines, texts, expected):
         label, probability, echoed = line.split("\t")
         assert (label, echoed) == (truth["label"], text)
         assert abs(float(probability) - truth["score"]) < 1e-4
+    assert lines[2].split("\t")[:2] == lines[1].split("\t")[:2]
 
 
 def test_auto_falls_back_to_the_tiny_model_with_a_banner(tmp_path):
