@@ -865,12 +865,14 @@ class Trainer:
               f"macro-F1：{metrics['macro_f1']:.4f}")
         print(metrics["report"])
         print(f"耗时：{result['train_seconds'] / 60:.2f}分钟")
-        precision = result["precision"] + ("" if result["precision_native"] else f" (emulated on this {self.strategy.device.type})")
+        precision = result["precision"]
+        if not result["precision_native"]:
+            precision += f" (emulated on this {self.strategy.device.type})"
         print(f"strategy {result['strategy']} ({result['launcher']}, {result['world_size']} process(es) x "
               f"{result['threads_per_process']} thread(s), {result['device']}, {precision}) | model {result['model']}")
         print(f"training loop only: {result['train_seconds']:.1f} s, {result['samples_per_second']:.1f} samples/s, "
-              f"{result['tokens_per_sample']:.1f} tokens + {result['padded_tokens_per_sample']:.1f} padding per sample, "
-              f"peak memory {result['peak_memory_mb']:.0f} MB (rank 0)")
+              f"{result['tokens_per_sample']:.1f} tokens + {result['padded_tokens_per_sample']:.1f} padding "
+              f"per sample, peak memory {result['peak_memory_mb']:.0f} MB (rank 0)")
         print(f"dev: {result['dev_samples']} samples, accuracy {result['dev_accuracy']:.4f}, "
               f"macro-F1 {result['dev_macro_f1']:.4f}, loss {result['dev_loss']:.4f}")
         print(f"saved: {self.output_dir / 'model'} and {self.output_dir / 'result.json'}")

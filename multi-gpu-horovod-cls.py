@@ -90,7 +90,8 @@ def main():
     #    examples do that): the same global batch then takes the same step as DDP and one device.
     train_loader = common.make_loader(train_set, args, tokenizer,
                                       common.train_sampler(train_set, args, hvd.size(), hvd.rank()))
-    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, hvd.size(), hvd.rank()))
+    dev_loader = common.make_loader(dev_set, args, tokenizer,
+                                    common.eval_sampler(dev_set, args, hvd.size(), hvd.rank()))
     optimizer = common.make_optimizer(model, lr, args.weight_decay)
 
     # 4. The DistributedOptimizer hooks every named parameter and averages its gradient across

@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from conftest import BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, load_weights, read_result, require, run
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, load_weights, read_result, require,
+                      run)
 
 SCRIPT = "multi-gpu-accelerate-cls.py"
 # --device cpu: the same gloo path on every machine, GPUs or not.

@@ -1,7 +1,8 @@
 """multi-gpu-horovod-cls.py under horovodrun (2 CPU processes over Gloo), and the Horovod build script."""
 import shutil
 
-from conftest import BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, read_result, require, run, untrained_dev_loss
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, read_result, require, run,
+                      untrained_dev_loss)
 
 SCRIPT = "multi-gpu-horovod-cls.py"
 
