@@ -550,7 +550,7 @@ class Strategy:
         optimizer.zero_grad(set_to_none=True)
 
     def reduce_mean(self, tensor):
-        """The average of `tensor` over all processes (for logging only)."""
+        """The average of `tensor` over all processes (off the training step's path: logging, totals, checks)."""
         return tensor
 
     def gather(self, tensor):
@@ -619,7 +619,7 @@ class Strategy:
 
 
 class TorchDistributed(Strategy):
-    """Logging and evaluation collectives over torch.distributed (DDP and DeepSpeed use it)."""
+    """The Trainer's collectives (logging, evaluation, checkpoints) over torch.distributed (DDP and DeepSpeed)."""
 
     def broadcast_object(self, value):
         values = [value]

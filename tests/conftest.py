@@ -24,6 +24,14 @@ EXACT = ["--no-shuffle", "--dropout", "0"]
 sys.path.insert(0, str(ROOT))
 
 
+def free_port():
+    """A port nothing listens on, so a launch never meets the rendezvous of an earlier one."""
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
 def require(module):
     """Skip when an optional dependency is missing, except in CI, where it must be installed."""
     if importlib.util.find_spec(module) is None:

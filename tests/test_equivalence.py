@@ -7,17 +7,10 @@ import os
 import pytest
 
 import common
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, read_result, require, run,
-                      single_run)
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, require,
+                      run, single_run)
 
 THREE = [*SMALL, *EXACT, "--batch-size", "11"]
-
-
-def free_port():
-    import socket
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
 
 
 LAUNCH = {

@@ -2,25 +2,18 @@
 of the run that never stopped, with dropout on and across an epoch boundary; a checkpoint resumes
 only into a run where its step means the same samples, and only where every process can read it."""
 import json
-import socket
 import subprocess
 
 import pytest
 
 import common
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, read_result, require, run
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, free_port, read_result, require, run
 
 # Dropout on (the model's 0.1): the random states must come back too. 11 steps per epoch, 22 in all;
 # a checkpoint every 4 steps and a crash at step 10: the resumed run continues from step 8, in epoch 1,
 # and crosses into epoch 2.
 RESUME = [*SMALL, "--epochs", "2", "--save-steps", "4"]
 CRASH = {common.FAIL_AT_ENV: "0:10"}
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
 
 
 LAUNCH = {
