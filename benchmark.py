@@ -147,6 +147,7 @@ STRATEGIES = {entry.name: entry for entry in [
           mixed_precision=True),
     Entry("accelerate", "multi-gpu-accelerate-cls.py", "accelerate launch", launch_accelerate, needs="accelerate",
           mixed_precision=True),
+    Entry("fsdp", "multi-gpu-fsdp-cls.py", "torchrun", launch_torchrun, mixed_precision=True),
 ]}
 
 
@@ -178,6 +179,11 @@ BUILT_IN_VARIANTS = DEFAULT_ROWS + [
             needs_gpu=True),
     Variant("accelerate-bf16", "accelerate", ("--precision", "bf16"), "Accelerate's bf16 autocast"),
     Variant("horovod-fp16-allreduce", "horovod", ("--fp16-allreduce",), "gradients sent as fp16"),
+    Variant("fsdp-no-reshard", "fsdp", ("--no-reshard-after-forward",),
+            "FSDP2 keeping the gathered weights from forward to backward (one all-gather fewer)"),
+    Variant("fsdp-bf16", "fsdp", ("--precision", "bf16"), "FSDP2 gathering the weights in bf16, fp32 shards"),
+    Variant("fsdp-offload", "fsdp", ("--offload",), "FSDP2 with the shards and the optimizer step on the CPU",
+            needs_gpu=True),
 ]
 
 
@@ -226,7 +232,7 @@ def parse_args(argv=None):
                         help="the same global batch for every row and process count (strong scaling): per-device "
                              "batch = N / devices")
     parser.add_argument("--precision", choices=common.PRECISIONS,
-                        help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate); the "
+                        help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate, fsdp); the "
                              "others stay in fp32 (default: the scripts' own: fp32, and for ddp-amp fp16 on GPUs, "
                              "bf16 on CPU)")
     parser.add_argument("--timeout", type=float, default=1800,

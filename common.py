@@ -32,6 +32,8 @@ from sklearn.metrics import accuracy_score, classification_report, f1_score
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
+import measure
+
 ROOT = Path(__file__).resolve().parent
 LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
 HUB_MODEL_ID = "hfl/chinese-bert-wwm-ext"
@@ -690,11 +692,13 @@ class Trainer:
             self.log(f"note: this {strategy.device.type} has no native {strategy.precision}: torch emulates it, "
                      f"slower than fp32 here (where the hardware has it, mixed precision is faster)")
         first_step = self.resume_step()
+        model_state = measure.ModelStateCount(self.strategy, self.model, self.optimizer)
         progress = self.train(first_step)
         metrics = self.evaluate()
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
         result = self.result(progress, metrics)
         result["resumed_from_step"] = first_step
+        result["model_state_bytes"] = model_state.bytes
         if self.strategy.is_main:
             self.report(result, metrics)
             write_json(self.output_dir / "result.json", result)
@@ -873,6 +877,10 @@ class Trainer:
         print(f"training loop only: {result['train_seconds']:.1f} s, {result['samples_per_second']:.1f} samples/s, "
               f"{result['tokens_per_sample']:.1f} tokens + {result['padded_tokens_per_sample']:.1f} padding "
               f"per sample, peak memory {result['peak_memory_mb']:.0f} MB (rank 0)")
+        if result["model_state_bytes"]:
+            held = result["model_state_bytes"]
+            print("model state held by rank 0: " + ", ".join(f"{name.replace('_', ' ')} {held[name] / 2**20:.2f} MB"
+                                                            for name in ("parameters", "gradients", "optimizer_state")))
         print(f"dev: {result['dev_samples']} samples, accuracy {result['dev_accuracy']:.4f}, "
               f"macro-F1 {result['dev_macro_f1']:.4f}, loss {result['dev_loss']:.4f}")
         print(f"saved: {self.output_dir / 'model'} and {self.output_dir / 'result.json'}")
@@ -936,11 +944,12 @@ def peak_memory_mb(device):
 
 # ----------------------------------------------------------------------------- saving
 
-def save_model(model, tokenizer, path):
+def save_model(model, tokenizer, path, state_dict=None):
     """Write a portable model folder (safetensors, config, tokenizer) atomically: build it next to
-    `path`, then swap it in, so an interrupted run never leaves a half-written checkpoint."""
+    `path`, then swap it in, so an interrupted run never leaves a half-written checkpoint. A sharded
+    model passes its gathered `state_dict`."""
     with staged_dir(path) as staging:
-        model.save_pretrained(staging)
+        model.save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
 
 
@@ -958,6 +967,11 @@ def staged_dir(path):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    replace_dir(staging, path)
+
+
+def replace_dir(staging, path):
+    """Put the complete folder `staging` in the place of `path`, whose old contents are removed."""
     old = path.with_name(f".{path.name}.old-{os.getpid()}")
     if path.exists():
         path.rename(old)

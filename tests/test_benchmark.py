@@ -119,12 +119,12 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--only", "single,fsdp"], "error: --only: unknown row fsdp; choose from single,dataparallel,"),
+    (["--only", "single,fsdp1"], "error: --only: unknown row fsdp1; choose from single,dataparallel,"),
     (["--global-batch", "64", "--nprocs", "1,2,3"], "error: --global-batch 64 does not split evenly over 3 processes"),
     (["--global-batch", "64", "--batch-size", "16"], "error: --global-batch sets each script's --batch-size"),
     (["--only", "single", "--skip", "single"], "error: --only and --skip leave no row to run"),
     (["--nprocs", "1,x"], "error: --nprocs takes process counts of at least 1"),
-    (["--variant", "mine=fsdp:--x"], "error: --variant mine: unknown strategy fsdp"),
+    (["--variant", "mine=fsdp1:--x"], "error: --variant mine: unknown strategy fsdp1"),
     (["--variant", "mine"], "error: --variant 'mine': write NAME=STRATEGY:\"OPTIONS\""),
     (["--strategy-args", "zero=--zero-stage 3"], "error: --strategy-args 'zero=--zero-stage 3': write STRATEGY="),
 ])
@@ -151,8 +151,9 @@ def options_for(row, gpus=0, nprocs=2, **overrides):
 
 def test_every_launch_line_and_the_options_each_row_gets():
     lines = {name: entry.launch(entry.script, 2, 0) for name, entry in benchmark.STRATEGIES.items()}
-    assert len(lines) == 8 and all(entry.script in lines[name] for name, entry in benchmark.STRATEGIES.items())
+    assert len(lines) == 9 and all(entry.script in lines[name] for name, entry in benchmark.STRATEGIES.items())
     assert lines["ddp"][:3] == [".venv/bin/torchrun", "--nproc_per_node", "2"] and lines["ddp"][4].isdigit()
+    assert lines["fsdp"][:3] == lines["ddp"][:3] and lines["fsdp"][-1] == "multi-gpu-fsdp-cls.py"
     assert lines["ddp-spawn"][-2:] == ["--nprocs", "2"] and lines["ddp-amp"][-2:] == ["--nprocs", "2"]
     assert lines["horovod"][:6] == [".venv/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"]
     assert lines["deepspeed"][:3] == [".venv/bin/deepspeed", "--num_gpus", "2"]
@@ -180,7 +181,7 @@ def test_every_launch_line_and_the_options_each_row_gets():
         "--output-dir", "out", "--model", "tiny", "--epochs", "2", "--lr", "1e-4"]
     # --precision reaches the strategies that offer mixed precision, and only those.
     offered = {entry for entry in benchmark.STRATEGIES if "--precision" in options_for(entry, precision="bf16")}
-    assert offered == {"ddp-amp", "deepspeed", "accelerate"}
+    assert offered == {"ddp-amp", "deepspeed", "accelerate", "fsdp"}
     # Per-strategy options reach every row of that strategy and no other; a variant's own come last.
     chosen = {"deepspeed": ["--offload", "none"]}
     assert options_for("deepspeed-zero3", strategy_options=chosen)[-4:] == ["--offload", "none", "--zero-stage", "3"]

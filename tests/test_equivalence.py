@@ -17,6 +17,7 @@ LAUNCH = {
     "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
                     "multi-gpu-distributed-cls.py"],
     "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "3"],
+    "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(), "multi-gpu-fsdp-cls.py"],
     "horovod": lambda: [BIN / "horovodrun", "-np", "3", "-H", "localhost:3", "--gloo", "--start-timeout", "120",
                         PYTHON, "multi-gpu-horovod-cls.py"],
     "deepspeed-zero1": lambda: [BIN / "deepspeed", "--num_gpus", "3", "--master_port", free_port(),

@@ -31,6 +31,8 @@ LAUNCH = {
                           "multi-gpu-deepspeed-cls.py"],
     "accelerate": lambda: [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
                            "--main_process_port", str(free_port()), "multi-gpu-accelerate-cls.py"],
+    "fsdp": lambda: [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+                     "multi-gpu-fsdp-cls.py"],
 }
 
 
@@ -75,9 +77,9 @@ def test_ddp_script_started_without_its_launcher_says_how_to_launch_it():
 
 
 @pytest.mark.parametrize("launch, module", [("horovod", "horovod"), ("deepspeed", "deepspeed"),
-                                            ("accelerate", "accelerate")])
+                                            ("accelerate", "accelerate"), ("fsdp", "torch")])
 def test_a_failing_rank_ends_the_whole_job_and_is_named(tmp_path, launch, module):
-    """torchrun and spawn have the same test in test_native.py."""
+    """DDP under torchrun and spawn have the same test in test_native.py."""
     require(module)
     started = time.monotonic()
     process = run([*LAUNCH[launch](), *SMALL, "--output-dir", str(tmp_path)], env={"SUITE_FAIL_AT": "1:3"},

@@ -25,6 +25,8 @@ LAUNCH = {
     "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "16"],
     "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
                         PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "16"],
+    "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-fsdp-cls.py",
+                     "--batch-size", "16"],
     # Under torchrun, which sets what the deepspeed launcher would, so that an exported
     # DS_ACCELERATOR=cuda (see ENV) reaches the script: --device cpu must win over it.
     "deepspeed": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),

@@ -1,0 +1,170 @@
+"""Fine-tune Chinese BERT with FSDP2 (fully_shard): one process per GPU, started by torchrun.
+
+    torchrun --nproc_per_node 2 multi-gpu-fsdp-cls.py
+    torchrun --standalone --nproc_per_node 2 multi-gpu-fsdp-cls.py --precision bf16   # GPUs from Ampere on
+    torchrun --standalone --nproc_per_node 2 multi-gpu-fsdp-cls.py --no-reshard-after-forward
+    torchrun --standalone --nproc_per_node 2 multi-gpu-fsdp-cls.py --offload          # GPUs only
+
+    # two machines, 2 GPUs each (run on each; --node_rank 0 on the machine at MASTER_IP):
+    torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 --master_addr MASTER_IP --master_port 29500 \\
+        multi-gpu-fsdp-cls.py
+
+This is multi-gpu-distributed-cls.py (compare them with diff) with the model sharded instead of
+copied: each process keeps 1/N of every weight, of its gradient and of its Adam moments, gathers a
+layer's whole weights just before computing with them and frees them after, and reduce-scatters the
+gradients so that each process receives the average of its own shard only. PyTorch's answer to
+DeepSpeed ZeRO-3, with per-parameter sharding on DTensor. Without GPUs the same code runs CPU
+processes that talk over gloo.
+"""
+import argparse
+import shutil
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+import common
+
+# The 16-bit type the sharded weights are gathered in for computing, for each --precision choice.
+PARAM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+
+
+class FSDP2(common.TorchDistributed):
+    name = "fsdp2"
+    launcher = "torchrun"
+
+    def __init__(self, device, rank, world_size, local_world_size, precision, reshard_after_forward, offload):
+        super().__init__(device, rank, world_size, precision, local_world_size)
+        self.reshard_after_forward, self.offload = reshard_after_forward, offload
+        # fp16's narrow range needs loss scaling; torch.amp.GradScaler works on FSDP2's sharded
+        # (DTensor) gradients and agrees across processes on whether a step overflowed.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self, model, optimizer):
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    def save_model(self, model, tokenizer, path):
+        # The portable model folder needs every weight whole: each process sends its shards and
+        # rank 0 alone receives the full state dict, in CPU memory (collective: all must call it).
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            common.save_model(model, tokenizer, path, state_dict=state)
+
+    def save_state(self, model, optimizer, path, state):
+        # --save-steps: every process writes its own shards with torch.distributed.checkpoint (no
+        # gather of the whole model). It writes in place, so into a staging folder that rank 0 swaps
+        # in once every shard is there: an interrupted save leaves the previous checkpoint whole.
+        staging = path.with_name(f".{path.name}.staging")
+        if self.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
+        if self.is_main:  # dcp.save returns once every shard and the index are written
+            torch.save(state, staging / common.CHECKPOINT_FILE)
+            common.write_json(staging / common.MEANING_FILE, {"step": state["step"], **state["meaning"]})
+            common.replace_dir(staging, path)
+        dist.barrier()
+
+    def load_state(self, model, optimizer, path):
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(shards, checkpoint_id=path)  # each process reads its own shards, in place
+        set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+        return torch.load(path / common.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+
+    def extra_state(self):
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_extra_state(self, state):
+        self.scaler.load_state_dict(state["scaler"])
+
+    def result_extras(self):
+        return {"reshard_after_forward": self.reshard_after_forward, "offload": "param+optimizer" if self.offload
+                else "none"}
+
+
+def add_fsdp_args(parser):
+    common.add_precision_arg(parser)
+    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="free each layer's gathered weights after its forward and gather them again for "
+                             "backward (least memory, like ZeRO-3); --no-... keeps them (one all-gather fewer)")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep the weight, gradient and optimizer shards in CPU memory (GPUs only)")
+
+
+def main():
+    parser = common.build_parser(__file__, __doc__)
+    common.add_distributed_args(parser)
+    add_fsdp_args(parser)
+    args = common.check_args(parser.parse_args())
+    common.set_seed(args.seed)
+
+    # 1. The global rank decides who prints and saves; the local rank decides which GPU this
+    #    process uses.
+    rank, world_size, local_rank, local_world_size = common.launch_environment(
+        "torchrun --nproc_per_node N multi-gpu-fsdp-cls.py")
+    device = common.resolve_device(args.device, local_rank)
+    common.check_precision(args.precision, device)
+    if args.offload and device.type == "cpu":
+        raise common.UserError("--offload moves the shards from GPU to CPU memory: on CPU they are there already")
+
+    # 2. Pin the GPU before joining the group. The device mesh is the group FSDP shards over: here
+    #    all processes, in one dimension (a 2-D mesh would add replication across machines, HSDP).
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
+    try:
+        mesh = init_device_mesh(device.type, (world_size,))
+        strategy = FSDP2(device, rank, world_size, local_world_size, args.precision, args.reshard_after_forward,
+                         args.offload)
+
+        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
+
+        # 3. Mixed precision is FSDP's own: it gathers the weights in 16 bits to compute, and keeps
+        #    the shards, the optimizer and the gradient reductions in fp32 (no autocast needed).
+        #    The --offload shards live in CPU memory and the optimizer steps there.
+        policies = dict(mesh=mesh, reshard_after_forward=args.reshard_after_forward,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[args.precision],
+                                                       reduce_dtype=torch.float32),
+                        offload_policy=CPUOffloadPolicy() if args.offload else OffloadPolicy())
+
+        # 4. Shard each encoder layer as a unit of its own: its weights are gathered (all-gather)
+        #    just before its forward and freed after, so a process holds at most one whole layer
+        #    beyond its shards, and gathering the next layer overlaps computing this one. The
+        #    layers first, the root last: the root takes what is left (embeddings, pooler and
+        #    classifier), and fully_shard moves the weights to the mesh's device.
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer, **policies)
+        fully_shard(model, **policies)
+
+        # 5. Each process reads a different 1/world_size of every global batch, as with DDP.
+        train_loader = common.make_loader(train_set, args, tokenizer,
+                                          common.train_sampler(train_set, args, world_size, rank))
+        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
+
+        # 6. The optimizer after sharding: it must hold the shards (DTensors), so that each process
+        #    keeps and steps the Adam moments of its own 1/N only.
+        optimizer = common.make_optimizer(model, lr, args.weight_decay)
+
+        # 7. backward() reduce-scatters each layer's gradients as soon as they are computed,
+        #    averaged over the processes, overlapping the communication with the layers below.
+        trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
+        trainer.fit()
+    finally:
+        # 8. Leave the group on every exit path, failures included, so no process is left waiting.
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    common.run(main)
