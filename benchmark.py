@@ -7,6 +7,7 @@
     python benchmark.py --strategy-args deepspeed="--zero-stage 3"  # options for one strategy only
     python benchmark.py --variant zero3-adam-cpu=deepspeed:"--zero-stage 3 --offload optimizer"
     python benchmark.py --precision bf16                 # mixed precision wherever a strategy offers it
+    python benchmark.py --grad-accum 4 --batch-size 8    # gradient accumulation, each library its own way
     python benchmark.py --max-samples 2000 --lr 5e-4     # options it does not know go to every script
 
 Each strategy trains with the same model, data, seed, learning rate, epochs and batch per device
@@ -228,6 +229,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int,
                         help="per device, for every row (default: the scripts' 32); DataParallel's one process "
                              "gets it times its GPUs")
+    parser.add_argument("--grad-accum", type=int, metavar="N",
+                        help="micro-batches per optimizer step, for every row (default: the scripts' 1): the "
+                             "global batch is the batch per device x devices x N")
     parser.add_argument("--global-batch", type=int,
                         help="the same global batch for every row and process count (strong scaling): per-device "
                              "batch = N / devices")
@@ -315,10 +319,12 @@ def check_args(args, passthrough):
     if args.global_batch:
         if args.batch_size:
             raise common.UserError("--global-batch sets each script's --batch-size: pass one or the other")
-        uneven = [count for count in args.counts if args.global_batch % count]
+        micro = args.grad_accum or 1
+        uneven = [count for count in args.counts if args.global_batch % (count * micro)]
         if uneven:
             raise common.UserError(f"--global-batch {args.global_batch} does not split evenly over "
-                                   f"{' and '.join(map(str, uneven))} processes (--nprocs {args.nprocs})")
+                                   f"{' and '.join(map(str, uneven))} processes (--nprocs {args.nprocs})"
+                                   + (f" x {micro} micro-batches" if micro > 1 else ""))
     args.passthrough = passthrough
     args.output_dir = Path(args.output_dir).resolve()
     return args
@@ -348,7 +354,7 @@ def devices(entry, nprocs, gpus):
 def batch_options(args, entry, gpus, nprocs):
     """--batch-size for the script, so that every device gets the same share of a batch."""
     replicas = devices(entry, nprocs, gpus)
-    per_device = args.global_batch // replicas if args.global_batch else args.batch_size
+    per_device = args.global_batch // (replicas * (args.grad_accum or 1)) if args.global_batch else args.batch_size
     if entry.splits_batch and replicas > 1:
         return ["--batch-size", str((per_device or SCRIPT_BATCH_SIZE) * replicas)]
     return ["--batch-size", str(per_device)] if per_device else []
@@ -365,6 +371,8 @@ def script_options(args, variant, run_dir, model, gpus, nprocs):
         options += ["--epochs", str(args.epochs)]
     if args.precision and entry.mixed_precision:
         options += ["--precision", args.precision]
+    if args.grad_accum:
+        options += ["--grad-accum", str(args.grad_accum)]
     return (options + batch_options(args, entry, gpus, nprocs) + args.passthrough
             + args.strategy_options.get(entry.name, []) + list(variant.options))
 
@@ -548,6 +556,7 @@ def summarize(cell):
         "zero_stage": chosen.get("zero_stage"),
         "model": chosen["model"],
         "global_batch": chosen["global_batch_size"],
+        "gradient_accumulation": chosen.get("gradient_accumulation_steps", 1),
         "batch_per_process": chosen["batch_size_per_process"],
         "train_samples": chosen["train_samples"],
         "epochs": chosen["epochs"],
@@ -696,9 +705,14 @@ def main_cells(row, repeat):
         reason = row["reason"] or "not run yet"
         reason = reason if len(reason) <= 160 else reason[:157] + "..."
         return [row["row"]] + [""] * (len(MAIN_COLUMNS) - 2) + [f"{row['status']}: {reason}"]
-    return [row_label(row), str(row["processes"]), precision_label(row), str(row["global_batch"]),
+    return [row_label(row), str(row["processes"]), precision_label(row), global_batch_label(row),
             spread(row, "train_seconds", repeat), f"{row['samples_per_second']:.1f}", speedup_cell(row),
             f"{row['dev_accuracy']:.4f}", str(row["dev_samples"]), "ok"]
+
+
+def global_batch_label(row):
+    accumulation = row.get("gradient_accumulation", 1)
+    return f"{row['global_batch']} ({accumulation} micro-batches)" if accumulation > 1 else str(row["global_batch"])
 
 
 def detail_cells(row, repeat):

@@ -1,8 +1,8 @@
 """What every strategy script shares: the command line, the data, the model, the training loop.
 
-A strategy script builds a `Strategy` (its device, its rank, and how it runs backward, steps the
-optimizer, averages a loss and gathers predictions across processes), wraps the model its own way,
-and hands both to `Trainer`. Nothing in this file knows which strategy is running.
+A strategy script builds a `Strategy` (its device, its rank, and how it runs backward, accumulates
+gradients, steps the optimizer, averages a loss and gathers predictions across processes), wraps the
+model its own way, and hands both to `Trainer`. Nothing in this file knows which strategy is running.
 """
 import argparse
 import collections
@@ -106,7 +106,10 @@ def build_parser(script_file, description):
     parser.add_argument("--max-samples", type=int, default=10000, help="use the first N records")
     parser.add_argument("--dev-ratio", type=float, default=0.08, help="share of samples held out for dev")
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--batch-size", type=int, default=32, help="per process and micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                        help="micro-batches per optimizer step (gradient accumulation): the global batch is "
+                             "--batch-size x processes x N")
     parser.add_argument("--lr", type=float, default=None,
                         help=f"default {DEFAULT_LR['tiny']} for the tiny model, {DEFAULT_LR['pretrained']} otherwise")
     parser.add_argument("--weight-decay", type=float, default=0.01)
@@ -160,7 +163,7 @@ def check_args(args):
         raise UserError(f"--output-dir {args.output_dir} is a file, not a folder")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1, got {args.threads}")
-    for name in ("epochs", "batch_size", "max_seq_len", "log_steps"):
+    for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "log_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
@@ -343,35 +346,43 @@ class PadToLongest:
 
 
 class GlobalBatchSampler(Sampler):
-    """Cuts each epoch into global batches (the samples of one optimizer step, over all processes)
-    and yields this process's share of each, as lists of (dataset index, loss weight).
+    """Cuts each epoch into global batches (the samples of one optimizer step, over all processes and
+    micro-batches) and yields this process's share of each micro-batch, as lists of (dataset index,
+    loss weight).
 
     The loss-weighting rule every strategy follows: each sample weighs 1 / (samples in its global
-    batch), whichever process holds it, so the processes' weighted sums add up to the mean over the
-    global batch, exactly as on one device. When the short last global batch does not split evenly,
-    the processes with one sample fewer get a repeat of weight 0: every process runs the same number
-    of batches (a collective never waits for a process that has finished), and no sample counts twice.
+    batch), whichever process and micro-batch holds it, so the weighted sums add up to the mean over
+    the global batch, exactly as on one device, also when the last global batch of an epoch is short
+    (then it has fewer micro-batches, or a short one). When a micro-batch does not split evenly, the
+    processes with one sample fewer get a repeat of weight 0: every process runs the same number of
+    batches (a collective never waits for a process that has finished), and no sample counts twice.
 
     Shuffled, each epoch is reordered with seed + epoch (the same order in every process); with
     length grouping, texts of similar length share a global batch, and the short last batch stays
     last so that every other batch is full.
     """
 
-    def __init__(self, lengths, batch_size, num_replicas=1, rank=0, shuffle=True, group_by_length=True, seed=0):
+    def __init__(self, lengths, batch_size, num_replicas=1, rank=0, shuffle=True, group_by_length=True, seed=0,
+                 accumulation_steps=1):
         self.lengths, self.batch_size, self.num_replicas, self.rank = lengths, batch_size, num_replicas, rank
         self.shuffle, self.group_by_length, self.seed, self.epoch = shuffle, group_by_length, seed, 0
-        self.global_batch_size = batch_size * num_replicas
+        self.micro_batch_size = batch_size * num_replicas  # over all processes
+        self.global_batch_size = self.micro_batch_size * accumulation_steps
 
     def set_epoch(self, epoch):
         self.epoch = epoch
 
     def __len__(self):
-        return math.ceil(len(self.lengths) / self.global_batch_size)
+        return sum(self.micro_batches_per_step())
 
     def global_batch_sizes(self):
         """Samples in each global batch of an epoch, in order (the same for every epoch)."""
         full, rest = divmod(len(self.lengths), self.global_batch_size)
         return [self.global_batch_size] * full + [rest] * bool(rest)
+
+    def micro_batches_per_step(self):
+        """Micro-batches in each global batch of an epoch: all of them full but the last one's."""
+        return [math.ceil(size / self.micro_batch_size) for size in self.global_batch_sizes()]
 
     def global_batches(self):
         size, count = self.global_batch_size, len(self.lengths)
@@ -392,16 +403,20 @@ class GlobalBatchSampler(Sampler):
 
     def __iter__(self):
         for batch in self.global_batches():
-            share = batch[self.rank::self.num_replicas]
             weight = 1 / len(batch)
-            repeats = math.ceil(len(batch) / self.num_replicas) - len(share)
-            yield [(index, weight) for index in share] + [(batch[0], 0.0)] * repeats
+            for start in range(0, len(batch), self.micro_batch_size):
+                micro_batch = batch[start:start + self.micro_batch_size]
+                share = micro_batch[self.rank::self.num_replicas]
+                repeats = math.ceil(len(micro_batch) / self.num_replicas) - len(share)
+                yield [(index, weight) for index in share] + [(micro_batch[0], 0.0)] * repeats
 
 
 def train_sampler(dataset, args, num_replicas=1, rank=0):
-    """The training sampler: this process's share of every global batch, reshuffled per epoch."""
+    """The training sampler: this process's share of every micro-batch of every global batch,
+    reshuffled per epoch."""
     return GlobalBatchSampler([len(ids) for ids in dataset.input_ids], args.batch_size, num_replicas, rank,
-                              shuffle=not args.no_shuffle, group_by_length=args.group_by_length, seed=args.seed)
+                              shuffle=not args.no_shuffle, group_by_length=args.group_by_length, seed=args.seed,
+                              accumulation_steps=args.grad_accum)
 
 
 def eval_sampler(dataset, args, num_replicas=1, rank=0):
@@ -535,13 +550,17 @@ class Strategy:
     def __init__(self, device, rank=0, world_size=1, precision="fp32", local_world_size=1):
         self.device, self.rank, self.world_size, self.precision = device, rank, world_size, precision
         self.local_world_size = local_world_size  # processes on this machine, which share its cores
-        self.accumulation_steps = 1  # micro batches per optimizer step
 
     @property
     def is_main(self):
         return self.rank == 0
 
     def autocast(self):
+        return contextlib.nullcontext()
+
+    def accumulating(self, model, last):
+        """The context of one micro-batch's forward and backward; `last` ends the optimizer step's
+        micro-batches (gradient accumulation). One device just adds up the gradients."""
         return contextlib.nullcontext()
 
     def backward(self, loss):
@@ -615,10 +634,6 @@ class Strategy:
         """The strategy's own entries for the result file (they may refine the common ones)."""
         return {}
 
-    def global_batch_size(self, batch_size):
-        """Samples per optimizer step over all processes, for `batch_size` per process."""
-        return batch_size * self.world_size
-
 
 class TorchDistributed(Strategy):
     """The Trainer's collectives (logging, evaluation, checkpoints) over torch.distributed (DDP and DeepSpeed)."""
@@ -660,6 +675,7 @@ class Trainer:
         self.tokenizer, self.train_loader, self.dev_loader = tokenizer, train_loader, dev_loader
         self.model_name, self.lr = model_name, lr
         self.output_dir = Path(args.output_dir)
+        self.global_batch_size = train_loader.batch_sampler.global_batch_size  # samples per optimizer step
         self.threads = set_threads(args.threads, strategy.local_world_size)
         self.native_precision = computes_natively(strategy.precision, strategy.device)
 
@@ -677,15 +693,16 @@ class Trainer:
             logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         per_sample = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
         # The loss-weighting rule (see GlobalBatchSampler): weighted by 1 / (samples in the global
-        # batch), the processes' sums add up to the single-device mean. Every library here averages
-        # the gradients over the processes; multiplying by their count turns that average into the sum.
+        # batch), the sums over processes and micro-batches add up to the single-device mean. Every
+        # library here averages the gradients over the processes; multiplying by their count turns
+        # that average into the sum.
         return logits, (per_sample * batch["weight"]).sum() * self.strategy.world_size
 
     def fit(self):
         """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
         strategy = self.strategy
         self.log(f"model: {self.model_name} | learning rate: {self.lr:g} | processes: {strategy.world_size} | "
-                 f"global batch: {strategy.global_batch_size(self.args.batch_size)} | "
+                 f"global batch: {self.global_batch_size} | "
                  f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)} | "
                  f"threads per process: {self.threads}")
         if not self.native_precision:
@@ -693,12 +710,15 @@ class Trainer:
                      f"slower than fp32 here (where the hardware has it, mixed precision is faster)")
         first_step = self.resume_step()
         model_state = measure.ModelStateCount(self.strategy, self.model, self.optimizer)
+        allreduces = measure.gradient_allreduce_count(self.model)
         progress = self.train(first_step)
         metrics = self.evaluate()
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
         result = self.result(progress, metrics)
         result["resumed_from_step"] = first_step
         result["model_state_bytes"] = model_state.bytes
+        if allreduces:
+            result["gradient_allreduces"] = allreduces.calls
         if self.strategy.is_main:
             self.report(result, metrics)
             write_json(self.output_dir / "result.json", result)
@@ -708,8 +728,8 @@ class Trainer:
         """What a step of this run means: a checkpoint resumes only into a run where all of it is equal."""
         args, strategy = self.args, self.strategy
         return {"world_size": strategy.world_size, "batch_size_per_process": args.batch_size,
-                "global_batch_size": strategy.global_batch_size(args.batch_size),
-                "gradient_accumulation_steps": strategy.accumulation_steps, "data": str(Path(args.data).resolve()),
+                "global_batch_size": self.global_batch_size, "gradient_accumulation_steps": args.grad_accum,
+                "data": str(Path(args.data).resolve()),
                 "max_samples": args.max_samples, "dev_ratio": args.dev_ratio, "seed": args.seed,
                 "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length, "model": self.model_name}
 
@@ -747,7 +767,8 @@ class Trainer:
         """The training loop; returns what it did: seconds, steps, samples and tokens, last loss."""
         args, strategy = self.args, self.strategy
         sampler = self.train_loader.batch_sampler
-        steps_per_epoch = len(self.train_loader)
+        micro_batches_per_step = sampler.micro_batches_per_step()  # N, the last step of an epoch maybe fewer
+        steps_per_epoch = len(micro_batches_per_step)
         total_steps = steps_per_epoch * args.epochs
         global_batch_sizes = sampler.global_batch_sizes()
         fail_rank, fail_step = parse_fail_at(os.environ.get(FAIL_AT_ENV))
@@ -763,20 +784,25 @@ class Trainer:
         for epoch in range(first_step // steps_per_epoch + 1, args.epochs + 1):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
             self.model.train()
-            # On resume, pass over the batches the checkpoint has already trained on.
+            # On resume, pass over the micro-batches of the steps the checkpoint has already taken.
             done_this_epoch = max(0, first_step - (epoch - 1) * steps_per_epoch)
-            for batch_number, batch in enumerate(itertools.islice(self.train_loader, done_this_epoch, None),
-                                                 done_this_epoch):
-                tokens += count_tokens(batch)
-                batch = self.to_device(batch)
-                _, loss = self.forward(batch)
-                strategy.backward(loss)
+            batches = itertools.islice(self.train_loader, sum(micro_batches_per_step[:done_this_epoch]), None)
+            for step_in_epoch in range(done_this_epoch, steps_per_epoch):
+                # One optimizer step: the gradients of its micro-batches add up (--grad-accum), each
+                # sample weighed by 1 / (samples in the step), then one update.
+                micro_batches = micro_batches_per_step[step_in_epoch]
+                for micro_batch, batch in enumerate(itertools.islice(batches, micro_batches)):
+                    tokens += count_tokens(batch)
+                    batch = self.to_device(batch)
+                    with strategy.accumulating(self.model, last=micro_batch == micro_batches - 1):
+                        _, loss = self.forward(batch)
+                        strategy.backward(loss)
+                    loss_sum += loss.detach()
                 strategy.step(self.model, self.optimizer)
                 step += 1
-                samples += global_batch_sizes[batch_number]
+                samples += global_batch_sizes[step_in_epoch]
                 if step == fail_step and strategy.rank == fail_rank:
                     raise RuntimeError(f"failure injected by {FAIL_AT_ENV} at step {step}")
-                loss_sum += loss.detach()
                 losses_summed += 1
                 progress.update()
                 if step % args.log_steps == 0 or step == total_steps:
@@ -842,7 +868,8 @@ class Trainer:
             "precision": strategy.precision,
             "precision_native": self.native_precision,
             "batch_size_per_process": args.batch_size,
-            "global_batch_size": strategy.global_batch_size(args.batch_size),
+            "global_batch_size": self.global_batch_size,
+            "gradient_accumulation_steps": args.grad_accum,
             "epochs": args.epochs,
             "steps": progress["steps"],
             "learning_rate": self.lr,

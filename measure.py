@@ -1,5 +1,8 @@
 """Measurements the Trainer takes beside the lesson, so that a reader of the training loop meets only
-the strategy: how many bytes of model state each process really holds."""
+the strategy: how many bytes of model state each process really holds, and (for the tests) how many
+gradient all-reduces DDP runs."""
+import os
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -59,3 +62,29 @@ def storage_bytes(tensors, seen):
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+# Tests set it to count DDP's gradient all-reduces (result.json: gradient_allreduces).
+COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"
+
+
+class GradientAllReduceCount:
+    """How many gradient all-reduces DDP runs: one per gradient bucket per synchronised backward.
+    A communication hook that counts, then runs the same all-reduce DDP runs by default."""
+
+    def __init__(self, model):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        self.calls, self.allreduce = 0, allreduce_hook
+        model.register_comm_hook(None, self.hook)
+
+    def hook(self, process_group, bucket):
+        self.calls += 1
+        return self.allreduce(process_group, bucket)
+
+
+def gradient_allreduce_count(model):
+    """A counter of DDP's gradient all-reduces when COUNT_ALLREDUCES_ENV asks for one, else None."""
+    from torch.nn.parallel import DistributedDataParallel
+    if os.environ.get(COUNT_ALLREDUCES_ENV) and isinstance(model, DistributedDataParallel):
+        return GradientAllReduceCount(model)
+    return None

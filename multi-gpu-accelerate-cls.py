@@ -38,8 +38,18 @@ class Accelerate(common.Strategy):
     def is_main(self):
         return self.accelerator.is_main_process  # rank 0 of all machines; accelerator.print prints once per machine
 
+    def accumulating(self, model, last):
+        # With --grad-accum N, accumulate() lets the gradients of a step's micro-batches add up without
+        # all-reducing them (DDP's no_sync) and all-reduces at the N-th, counting micro-batches
+        # itself. The last step of an epoch may have fewer: make its last micro-batch the N-th.
+        if last:
+            self.accelerator.step = self.accelerator.gradient_accumulation_steps - 1
+        return self.accelerator.accumulate(model)
+
     def backward(self, loss):
-        self.accelerator.backward(loss)  # scales the loss first when fp16 needs a gradient scaler
+        # Scales the loss first when fp16 needs a gradient scaler, and divides it by N: undo that,
+        # since the suite's weights already make the step's micro-batches add up to its mean.
+        self.accelerator.backward(loss * self.accelerator.gradient_accumulation_steps)
 
     def reduce_mean(self, tensor):
         return self.accelerator.reduce(tensor, "mean")
@@ -90,7 +100,7 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     on_cpu = common.resolve_device(args.device, local_rank).type == "cpu"
     mixed_precision = {"fp32": "no"}.get(args.precision, args.precision)
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision,
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision, gradient_accumulation_steps=args.grad_accum,
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))])
     try:
         # 2. On CPU Accelerate accepts fp16 but silently trains in fp32: refuse rather than mislabel.

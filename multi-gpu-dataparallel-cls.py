@@ -75,6 +75,8 @@ def main():
     dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
     optimizer = common.make_optimizer(model, lr, args.weight_decay)
 
+    # 4. --grad-accum N works as on one device: the gradients of N micro-batches add up on the first
+    #    GPU, where DataParallel gathers them anyway, and the optimizer steps once.
     trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
     trainer.fit()
 

@@ -16,6 +16,7 @@ stage 2 also the gradients, stage 3 also the weights; stage 0 splits nothing (pl
 parallelism). Without GPUs the same code runs CPU processes that talk over gloo.
 """
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -47,16 +48,23 @@ class DeepSpeed(common.TorchDistributed):
         super().__init__(device, rank, world_size, precision, local_world_size)
         self.config = config
         self.zero_stage = config["zero_optimization"]["stage"]
-        self.accumulation_steps = config["gradient_accumulation_steps"]
         self.engine = None  # set once deepspeed.initialize has built it
 
+    def accumulating(self, model, last):
+        # With --grad-accum N the engine would count micro-batches itself and step at every N-th,
+        # which drops the gradients of a last step of fewer (the end of an epoch) or carries them
+        # into the next epoch. Say where each step ends instead: its last micro-batch, however many.
+        self.engine.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
     def backward(self, loss):
-        # The engine scales the loss (fp16 loss scaling, gradient accumulation) and reduces the
-        # gradients: all-reduced at stages 0-1, reduce-scattered to their owners at stages 2-3.
-        self.engine.backward(loss)
+        # The engine scales the loss for fp16 and reduces the gradients: all-reduced at stages 0-1,
+        # reduce-scattered to their owners at stages 2-3. It would also divide the loss by N; the
+        # suite's weights already make the step's micro-batches add up to its mean.
+        self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self, model, optimizer):
-        # Steps the optimizer only every gradient_accumulation_steps micro batches, then zeroes.
+        # Once per optimizer step, after its last micro-batch: steps the optimizer, then zeroes.
         self.engine.step()
 
     def unwrap(self, model):
@@ -117,12 +125,8 @@ class DeepSpeed(common.TorchDistributed):
         _, state = self.engine.load_checkpoint(path)
         return state
 
-    def global_batch_size(self, batch_size):
-        return self.config["train_batch_size"]  # micro batch x processes x accumulation steps
-
     def result_extras(self):
         return {"zero_stage": self.zero_stage, "offload": offload_label(self.config["zero_optimization"]),
-                "gradient_accumulation_steps": self.config["gradient_accumulation_steps"],
                 "optimizer_steps": self.engine.global_steps, "deepspeed_config": self.config}
 
     def versions(self):
@@ -139,8 +143,6 @@ def add_deepspeed_args(parser):
                         help="keep the optimizer state (and, at stage 3, the weights) in CPU memory; "
                              "None = the config file's, else none")
     common.add_precision_arg(parser, default=None, default_help="the config file's, else fp32")
-    parser.add_argument("--gradient-accumulation-steps", type=int,
-                        help="micro batches per optimizer step; None = the config file's, else 1")
     parser.add_argument("--estimate-memory", type=int, nargs="*", metavar="N",
                         help="print the model-state memory per GPU and per machine for each --zero-stage and "
                              "--offload, for GPUS_PER_NODE [NODES] (None given = this launch's processes), "
@@ -192,21 +194,13 @@ def build_config(args, device, world_size):
     # of the suite clips, so neither does this one unless the file asks for it.
     config.setdefault("gradient_clipping", 0.0)
 
-    # The DataLoader is ours and reads --batch-size per process, so the global batch is the same as
-    # in every other script (times the accumulation steps, which only DeepSpeed offers here).
-    accumulation = args.gradient_accumulation_steps
-    if accumulation is None:
-        accumulation = config.get("gradient_accumulation_steps", 1)
-    if not isinstance(accumulation, int) or accumulation < 1:
-        raise common.UserError(f"--gradient-accumulation-steps must be at least 1, got {accumulation}")
-    if args.save_steps % accumulation:
-        raise common.UserError(f"--save-steps {args.save_steps} must be a multiple of the {accumulation} accumulation "
-                               "steps: a checkpoint taken mid-accumulation would lose the gradients summed so far")
-    batch = dict(zip(BATCH_KEYS, (args.batch_size, accumulation, args.batch_size * world_size * accumulation)))
+    # The DataLoader is ours and reads --batch-size per process and micro-batch, so the global batch
+    # is the same as in every other script: --batch-size x processes x --grad-accum.
+    batch = dict(zip(BATCH_KEYS, (args.batch_size, args.grad_accum, args.batch_size * world_size * args.grad_accum)))
     for key, value in batch.items():
         if config.get(key, value) != value:
             raise common.UserError(f"{args.deepspeed_config} sets {key} {config[key]}, but the command line gives "
-                                   f"{value}: batch sizes come from --batch-size and --gradient-accumulation-steps")
+                                   f"{value}: batch sizes come from --batch-size and --grad-accum")
     config.update(batch)
     return config, precision
 

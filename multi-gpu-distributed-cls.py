@@ -13,6 +13,7 @@ averages the gradients across processes during backward, so all copies take the 
 Without GPUs the same code runs CPU processes that talk over gloo instead of NCCL.
 """
 import argparse
+import contextlib
 from datetime import timedelta
 
 import torch
@@ -25,6 +26,13 @@ import common
 class DDP(common.TorchDistributed):
     name = "ddp"
     launcher = "torchrun"
+
+    def accumulating(self, model, last):
+        # With --grad-accum N, no_sync() keeps DDP from all-reducing the gradients of a step's first
+        # N - 1 micro-batches: they add up in each process, and the last micro-batch's backward
+        # all-reduces the sum, once per optimizer step instead of N times. DDP reads the flag in
+        # forward as well as backward, so the context covers both.
+        return contextlib.nullcontext() if last else model.no_sync()
 
     def unwrap(self, model):
         return model.module  # save the inner model: no "module." prefixes in the checkpoint

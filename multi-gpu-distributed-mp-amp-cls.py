@@ -12,6 +12,7 @@ This is multi-gpu-distributed-mp-cls.py (compare them with diff) with the forwar
 matrix products run in 16-bit floats, faster on tensor-core GPUs and with about half the activation
 memory, while the weights, the optimizer and the loss stay in fp32.
 """
+import contextlib
 import os
 import socket
 import time
@@ -51,6 +52,8 @@ class DDPWithAMP(common.TorchDistributed):
         self.scaler.scale(loss).backward()
 
     def step(self, model, optimizer):
+        # Once per optimizer step, after all its micro-batches (--grad-accum): the scaler unscales the
+        # summed gradients, skips the step if they overflowed, and adjusts the scale once.
         self.scaler.step(optimizer)
         self.scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -62,6 +65,13 @@ class DDPWithAMP(common.TorchDistributed):
 
     def load_extra_state(self, state):
         self.scaler.load_state_dict(state["scaler"])
+
+    def accumulating(self, model, last):
+        # With --grad-accum N, no_sync() keeps DDP from all-reducing the gradients of a step's first
+        # N - 1 micro-batches: they add up in each process, and the last micro-batch's backward
+        # all-reduces the sum, once per optimizer step instead of N times. DDP reads the flag in
+        # forward as well as backward, so the context covers both.
+        return contextlib.nullcontext() if last else model.no_sync()
 
     def unwrap(self, model):
         return model.module  # save the inner model: no "module." prefixes in the checkpoint

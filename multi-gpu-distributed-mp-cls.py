@@ -11,6 +11,7 @@ with torch.multiprocessing.spawn: no launcher.
 The training is that of multi-gpu-distributed-cls.py (compare them with diff): what changes is who
 starts the processes and hands out their ranks. Here the script does torchrun's job itself.
 """
+import contextlib
 import os
 import socket
 import time
@@ -30,6 +31,13 @@ SHUTDOWN_GRACE_SECONDS = 10
 class DDP(common.TorchDistributed):
     name = "ddp"
     launcher = "spawn"
+
+    def accumulating(self, model, last):
+        # With --grad-accum N, no_sync() keeps DDP from all-reducing the gradients of a step's first
+        # N - 1 micro-batches: they add up in each process, and the last micro-batch's backward
+        # all-reduces the sum, once per optimizer step instead of N times. DDP reads the flag in
+        # forward as well as backward, so the context covers both.
+        return contextlib.nullcontext() if last else model.no_sync()
 
     def unwrap(self, model):
         return model.module  # save the inner model: no "module." prefixes in the checkpoint

@@ -17,6 +17,7 @@ DeepSpeed ZeRO-3, with per-parameter sharding on DTensor. Without GPUs the same 
 processes that talk over gloo.
 """
 import argparse
+import contextlib
 import shutil
 from datetime import timedelta
 
@@ -44,6 +45,13 @@ class FSDP2(common.TorchDistributed):
         # fp16's narrow range needs loss scaling; torch.amp.GradScaler works on FSDP2's sharded
         # (DTensor) gradients and agrees across processes on whether a step overflowed.
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def accumulating(self, model, last):
+        # With --grad-accum N, the first N - 1 micro-batches of a step keep their gradients whole
+        # and unreduced (more memory: a whole gradient per process until the step's last
+        # micro-batch), which then reduce-scatters the sum: once per step instead of N times.
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
 
     def backward(self, loss):
         self.scaler.scale(loss).backward()

@@ -96,9 +96,13 @@ def main():
 
     # 4. The DistributedOptimizer hooks every named parameter and averages its gradient across
     #    processes during backward(). fp16 compression halves the bytes sent but rounds each gradient.
+    #    With --grad-accum N, backward_passes_per_step=N all-reduces a gradient only at its N-th
+    #    backward, once per optimizer step; a step of fewer micro-batches (the last of an epoch)
+    #    all-reduces what is left in step(). It averages over processes only, not over the N passes.
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression, op=hvd.Average)
+                                         compression=compression, op=hvd.Average,
+                                         backward_passes_per_step=args.grad_accum)
 
     # 5. Give every process rank 0's optimizer settings and state (the state once there is one, e.g.
     #    loaded from a checkpoint). Not with hvd.broadcast_optimizer_state: on a fresh optimizer it first

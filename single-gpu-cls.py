@@ -24,6 +24,9 @@ def main():
     dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
     optimizer = common.make_optimizer(model, lr, args.weight_decay)
 
+    # 2. With --grad-accum N the Trainer runs N micro-batches through forward and backward, whose
+    #    gradients add up in each parameter's .grad, then steps once: a batch N times larger than
+    #    the device holds, for N times the compute per step.
     trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
     trainer.fit()
 

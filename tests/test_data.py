@@ -11,7 +11,7 @@ RECORDS = common.load_records(ROOT / "data" / "train.json")
 
 
 def args(**overrides):
-    values = dict(batch_size=4, no_shuffle=False, group_by_length=False, seed=123, num_workers=0)
+    values = dict(batch_size=4, grad_accum=1, no_shuffle=False, group_by_length=False, seed=123, num_workers=0)
     return types.SimpleNamespace(**{**values, **overrides})
 
 
@@ -42,25 +42,33 @@ def tiny_datasets(max_samples=200):
     return (common.EncodedDataset(train, tokenizer, 128), common.EncodedDataset(dev, tokenizer, 128), tokenizer)
 
 
-def shards(dataset, world_size, batch_size, shuffle=True, group_by_length=False, epoch=1):
-    """Each process's batches of (index, weight) for one epoch."""
+def samplers(dataset, world_size, batch_size, shuffle=True, group_by_length=False, epoch=1, grad_accum=1):
     result = []
     for rank in range(world_size):
         sampler = common.train_sampler(dataset, args(batch_size=batch_size, no_shuffle=not shuffle,
-                                                     group_by_length=group_by_length),
+                                                     group_by_length=group_by_length, grad_accum=grad_accum),
                                        num_replicas=world_size, rank=rank)
         sampler.set_epoch(epoch)
-        result.append(list(sampler))
+        result.append(sampler)
     return result
 
 
+def shards(dataset, world_size, batch_size, **options):
+    """Each process's (micro-)batches of (index, weight) for one epoch."""
+    return [list(sampler) for sampler in samplers(dataset, world_size, batch_size, **options)]
+
+
 def global_batches(dataset, world_size, batch_size, **options):
-    """The samples of each optimizer step across all processes, as lists of (index, weight), the
-    repeats of weight 0 left out; checks that every process runs the same number of batches."""
+    """The samples of each optimizer step across all processes and micro-batches, as lists of
+    (index, weight), the repeats of weight 0 left out; checks that every process runs the same
+    number of batches."""
     per_rank = shards(dataset, world_size, batch_size, **options)
     assert len({len(batches) for batches in per_rank}) == 1
-    return [sorted(pair for batches in per_rank for pair in batches[step] if pair[1] > 0)
-            for step in range(len(per_rank[0]))]
+    counts = samplers(dataset, world_size, batch_size, **options)[0].micro_batches_per_step()
+    assert sum(counts) == len(per_rank[0])
+    starts = np.cumsum([0] + counts)
+    return [sorted(pair for batches in per_rank for batch in batches[start:end] for pair in batch if pair[1] > 0)
+            for start, end in zip(starts[:-1], starts[1:])]
 
 
 def test_every_process_count_trains_the_single_device_global_batches_with_the_same_weights():
@@ -74,6 +82,19 @@ def test_every_process_count_trains_the_single_device_global_batches_with_the_sa
     for batch in global_batches(train, 3, 11):
         assert abs(sum(weight for _, weight in batch) - 1) < 1e-12  # each global batch is one mean
     assert sorted(i for batch in global_batches(train, 3, 11) for i, _ in batch) == list(range(len(train)))
+
+
+def test_accumulated_micro_batches_make_up_the_single_device_global_batches():
+    train, _, _ = tiny_datasets()  # 160 samples: 5 global batches of 32; of 36, 4 and a short one of 16
+    for shuffle, group in ((False, False), (True, False), (True, True)):
+        options = dict(shuffle=shuffle, group_by_length=group)
+        assert global_batches(train, 2, 8, grad_accum=2, **options) == global_batches(train, 1, 32, **options)
+        assert global_batches(train, 1, 8, grad_accum=4, **options) == global_batches(train, 1, 32, **options)
+        assert global_batches(train, 3, 4, grad_accum=3, **options) == global_batches(train, 1, 36, **options)
+    # The short last step of 16 at 3 x 4 x 3: two micro-batches (12, then 4 = 2 + 1 + 1), not three.
+    assert samplers(train, 3, 4, grad_accum=3)[0].micro_batches_per_step() == [3, 3, 3, 3, 2]
+    last = [batches[-1] for batches in shards(train, 3, 4, shuffle=False, grad_accum=3)]
+    assert [[weight for _, weight in batch] for batch in last] == [[1 / 16] * 2, [1 / 16, 0.0], [1 / 16, 0.0]]
 
 
 def test_a_short_last_batch_that_does_not_split_gives_a_weightless_repeat():

@@ -1,0 +1,67 @@
+"""--grad-accum in every strategy, each the way its library does it: 2 processes x 8 x 2 micro-batches
+(one device: 16 x 2) end with the weights of one device at 32. The 332 training samples end each
+epoch with a short step of 12: one micro-batch instead of two, the loss still the mean over its 12."""
+import pytest
+
+import common
+import measure
+from conftest import (BIN, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, require, run)
+
+ACCUMULATE = [*SMALL, *EXACT, "--grad-accum", "2"]
+
+LAUNCH = {
+    "single": lambda: [PYTHON, "single-gpu-cls.py", "--batch-size", "16"],
+    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--batch-size", "16"],
+    "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "8"],
+    "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "8",
+                        "--precision", "fp32"],
+    "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
+                        PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "8"],
+    "deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
+                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--batch-size", "8"],
+    "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
+                           "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu",
+                           "--batch-size", "8"],
+    "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-fsdp-cls.py",
+                     "--batch-size", "8"],
+}
+NEEDS = {"horovod": "horovod", "deepspeed": "deepspeed", "accelerate": "accelerate"}
+
+
+def assert_steps_like_one_device_at_32(output, single_reference, samples_trained=332):
+    result = read_result(output)
+    assert result["global_batch_size"] == 32 and result["steps"] == 11
+    assert result["samples_trained"] == samples_trained
+    assert_same_weights(single_reference / "model", output / "model")
+    return result
+
+
+@pytest.mark.parametrize("strategy", list(LAUNCH))
+def test_accumulating_ends_with_the_single_device_weights(tmp_path, single_reference, strategy):
+    if strategy in NEEDS:
+        require(NEEDS[strategy])
+    run([*LAUNCH[strategy](), *ACCUMULATE, "--output-dir", str(tmp_path)])
+    assert read_result(tmp_path)["gradient_accumulation_steps"] == 2
+    assert_steps_like_one_device_at_32(tmp_path, single_reference)
+
+
+def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(tmp_path, single_reference):
+    """no_sync(): 4 micro-batches of 4 per process run as many all-reduces as 1 batch of 16 (one per
+    gradient bucket and step), not 4 times as many; the last step has 2 micro-batches (12 samples)."""
+    counts = {}
+    for accumulation, batch_size in ((1, 16), (4, 4)):
+        output = tmp_path / str(accumulation)
+        run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-distributed-cls.py",
+             *SMALL, *EXACT, "--grad-accum", str(accumulation), "--batch-size", str(batch_size),
+             "--output-dir", str(output)], env={measure.COUNT_ALLREDUCES_ENV: "1"})
+        counts[accumulation] = assert_steps_like_one_device_at_32(output, single_reference)["gradient_allreduces"]
+    assert counts[4] == counts[1] >= 11
+
+
+def test_a_resumed_accumulating_run_skips_the_micro_batches_of_the_steps_taken(tmp_path, single_reference):
+    command = [PYTHON, "single-gpu-cls.py", *ACCUMULATE, "--batch-size", "16", "--save-steps", "4",
+               "--output-dir", str(tmp_path)]
+    crashed = run(command, env={common.FAIL_AT_ENV: "0:10"}, check=False)
+    assert crashed.returncode != 0
+    assert "--resume: continuing from step 8" in run([*command, "--resume"]).stdout
+    assert_steps_like_one_device_at_32(tmp_path, single_reference, samples_trained=332 - 8 * 32)
