@@ -42,8 +42,8 @@ class FSDP2(common.TorchDistributed):
     def __init__(self, device, rank, world_size, local_world_size, precision, reshard_after_forward, offload):
         super().__init__(device, rank, world_size, precision, local_world_size)
         self.reshard_after_forward, self.offload = reshard_after_forward, offload
-        # fp16's narrow range needs loss scaling; torch.amp.GradScaler works on FSDP2's sharded
-        # (DTensor) gradients and agrees across processes on whether a step overflowed.
+        # fp16's narrow range needs loss scaling: torch.amp.GradScaler takes FSDP2's sharded
+        # (DTensor) gradients as they are (FSDP1 needed a ShardedGradScaler). GPUs only.
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     def accumulating(self, model, last):
