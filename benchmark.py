@@ -8,6 +8,7 @@
     python benchmark.py --variant zero3-adam-cpu=deepspeed:"--zero-stage 3 --offload optimizer"
     python benchmark.py --precision bf16                 # mixed precision wherever a strategy offers it
     python benchmark.py --grad-accum 4 --batch-size 8    # gradient accumulation, each library its own way
+    python benchmark.py --profile 5                      # where a step's time goes, phase by phase
     python benchmark.py --max-samples 2000 --lr 5e-4     # options it does not know go to every script
 
 Each strategy trains with the same model, data, seed, learning rate, epochs and batch per device
@@ -22,6 +23,9 @@ the strategies themselves). With --repeat N the launches go round-robin over the
 minute of a shared machine does not land on one row, and the table states the noise floor. Every
 launch writes its result.json under <output-dir>/<row>/ and its output to <output-dir>/<row>.log;
 the runner writes the comparison as benchmark.md, benchmark.json and benchmark.png in <output-dir>.
+Every row also reports the model state each process holds (weights, gradients, optimizer state,
+counted from its tensors) beside the ZeRO formula's prediction; --profile adds each step's time by
+phase (data loading, forward, backward, optimizer step, exposed communication).
 
 A row whose script or dependency is missing, or whose launch fails or times out, is listed with its
 reason and the others still run. The exit status is 0 only when every requested row succeeded.
@@ -239,6 +243,9 @@ def parse_args(argv=None):
                         help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate, fsdp); the "
                              "others stay in fp32 (default: the scripts' own: fp32, and for ddp-amp fp16 on GPUs, "
                              "bf16 on CPU)")
+    parser.add_argument("--profile", type=int, metavar="STEPS",
+                        help="every script records STEPS steps with torch.profiler: the anatomy table and chart "
+                             "panel show each step's time by phase (train s then includes the profiler's cost)")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds one launch may take before it is killed (default: %(default)g)")
     parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
@@ -301,7 +308,7 @@ def names(option, value, known):
 
 
 def check_args(args, passthrough):
-    for name in ("repeat", "max_samples", "epochs", "batch_size", "global_batch"):
+    for name in ("repeat", "max_samples", "epochs", "batch_size", "global_batch", "profile"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -373,6 +380,8 @@ def script_options(args, variant, run_dir, model, gpus, nprocs):
         options += ["--precision", args.precision]
     if args.grad_accum:
         options += ["--grad-accum", str(args.grad_accum)]
+    if args.profile:
+        options += ["--profile", str(args.profile)]
     return (options + batch_options(args, entry, gpus, nprocs) + args.passthrough
             + args.strategy_options.get(entry.name, []) + list(variant.options))
 
@@ -574,6 +583,9 @@ def summarize(cell):
         "relative_spread": round((max(seconds) - min(seconds)) / median_seconds, 4) if len(runs) > 1 else None,
         "wall_seconds_min": min(run["wall_seconds"] for run in runs),
         "wall_seconds_max": max(run["wall_seconds"] for run in runs),
+        "model_state_bytes": chosen.get("model_state_bytes"),
+        "model_state_formula_bytes": chosen.get("model_state_formula_bytes"),
+        "profile": chosen.get("profile"),
     }
 
 
@@ -673,6 +685,11 @@ MAIN_COLUMNS = ["row", "processes", "precision", "global batch", "train s", "sam
 DETAIL_COLUMNS = ["row", "strategy", "launcher", "threads", "device", "tokens+pad", "peak MB", "macro-F1", "wall s",
                   "options"]
 SCALING_COLUMNS = ["row", "processes", "samples/s", "speed-up vs 1 process", "scaling efficiency"]
+MEMORY_COLUMNS = ["row", "processes", "weights MB", "gradients MB", "optimizer state MB", "model state MB",
+                  "ZeRO formula MB"]
+PHASE_COLUMNS = ["row", "step ms", "data loading", "forward", "backward", "optimizer step", "exposed comm.",
+                 "overlapped comm.", "collectives: ms per step (exposed), phase"]
+MODEL_STATE_PARTS = ("parameters", "gradients", "optimizer_state")
 
 
 def precision_label(row):
@@ -729,6 +746,29 @@ def scaling_cells(row):
             f"{row['speedup_vs_1_process']:.2f}x", f"{row['scaling_efficiency']:.0%}"]
 
 
+def memory_cells(row):
+    held, formula = row["model_state_bytes"], row["model_state_formula_bytes"]
+    stage = f" (stage {formula['zero_stage']})" if formula["zero_stage"] else ""
+    return [row_label(row), str(row["processes"])] + [f"{held[part] / 2**20:.2f}" for part in MODEL_STATE_PARTS] + [
+        f"{held['total'] / 2**20:.2f}", f"{formula['total'] / 2**20:.2f}{stage}"]
+
+
+def phase_cells(row):
+    profile = row["profile"]
+    collectives = ", ".join(f"{name} {c['ms']:.1f} ({c['exposed_ms']:.1f}), {c['during']}"
+                            for name, c in profile["collectives"].items())
+    return [row_label(row), f"{profile['step_ms']:.1f}"] + [f"{ms:.1f}" for ms in profile["phases_ms"].values()] + [
+        f"{profile['overlapped_communication_ms']:.1f}", collectives or "none"]
+
+
+def memory_rows(report):
+    return [row for row in report["rows"] if row.get("model_state_bytes")]
+
+
+def phase_rows(report):
+    return [row for row in report["rows"] if row.get("profile")]
+
+
 def scaling_rows(report):
     return [row for row in report["rows"] if row.get("speedup_vs_1_process") is not None]
 
@@ -769,6 +809,13 @@ LEGEND = ("train s: the training loop only (rank 0). samples/s: samples trained 
 DETAIL_LEGEND = ("threads: torch threads per process. tokens+pad: real tokens and the padding computed with them, "
                  "per training sample. peak MB: GPU memory allocated by torch on CUDA, else peak resident memory "
                  "of rank 0. wall s: the whole launch, start-up included.")
+MEMORY_LEGEND = ("Model state held by each process at its optimizer step (rank 0), counted from its tensors: the "
+                 "weights, the gradients and the optimizer state (Adam's moments, and the fp32 master weights "
+                 "DeepSpeed keeps). ZeRO formula: what the ZeRO paper predicts for the row's stage, precision and "
+                 "processes; docs/anatomy.md explains each difference.")
+PHASE_LEGEND = ("Milliseconds per recorded step on rank 0 (--profile): the phases add up to the step. Communication "
+                "that runs while the process computes is overlapped; what the process waits for is exposed, and "
+                "is taken out of the phase that waited.")
 SCALING_LEGEND = ("speed-up vs 1 process: samples/s over the same row's 1-process run; scaling efficiency: that "
                   "speed-up / processes (100% is ideal).")
 
@@ -787,6 +834,13 @@ def markdown_body(report):
     if scaling_rows(report):
         text += ["Scaling:", ""] + markdown_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
         text += ["", SCALING_LEGEND, ""]
+    if memory_rows(report):
+        text += ["Model state per process:", ""]
+        text += markdown_table(MEMORY_COLUMNS, [memory_cells(row) for row in memory_rows(report)])
+        text += ["", MEMORY_LEGEND, ""]
+    if phase_rows(report):
+        text += ["Step anatomy:", ""] + markdown_table(PHASE_COLUMNS, [phase_cells(r) for r in phase_rows(report)])
+        text += ["", PHASE_LEGEND, ""]
     text += ["Details:", ""] + markdown_table(DETAIL_COLUMNS, [detail_cells(row, repeat) for row in rows])
     text += ["", DETAIL_LEGEND, "", "Commands:", ""]
     text += [f"- {row['row']}: `{row['command']}`" for row in rows if row.get("command")]
@@ -809,6 +863,12 @@ def terminal_report(report):
     text += ["", LEGEND]
     if scaling_rows(report):
         text += ["", "scaling:"] + terminal_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
+    if memory_rows(report):
+        text += ["", "model state per process:"]
+        text += terminal_table(MEMORY_COLUMNS, [memory_cells(row) for row in memory_rows(report)])
+    if phase_rows(report):
+        text += ["", "step anatomy (ms per step):"]
+        text += terminal_table(PHASE_COLUMNS, [phase_cells(row) for row in phase_rows(report)])
     text += ["", "details:"] + terminal_table(DETAIL_COLUMNS, [detail_cells(row, repeat) for row in rows])
     return "\n".join(text + ["", "commands:"] + [f"  {row['row']}: {row['command']}" for row in rows
                                                  if row.get("command")])
@@ -822,7 +882,8 @@ def write_text(path, text):
 
 
 def chart(report, path):
-    """Three panels: seconds per row, dev accuracy per row, and speed-up against processes."""
+    """Five panels: seconds per row, dev accuracy per row, speed-up against processes; below, the time
+    per step by phase (with --profile) and the model state per process."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -831,7 +892,10 @@ def chart(report, path):
     labels = [row_label(row) if row["status"] == "ok" else row["row"] for row in rows]
     ok = [row["status"] == "ok" for row in rows]
     positions = range(len(rows))
-    figure, (time_axis, accuracy_axis, scaling_axis) = plt.subplots(1, 3, figsize=(19, 5.2))
+    figure = plt.figure(figsize=(19, 10.4))
+    grid = figure.add_gridspec(2, 6)
+    time_axis, accuracy_axis, scaling_axis = (figure.add_subplot(grid[0, i:i + 2]) for i in (0, 2, 4))
+    phase_axis, memory_axis = figure.add_subplot(grid[1, :3]), figure.add_subplot(grid[1, 3:])
     train = [row["train_seconds"] if good else 0 for row, good in zip(rows, ok)]
     wall = [row["wall_seconds"] if good else 0 for row, good in zip(rows, ok)]
     time_axis.bar([p - 0.2 for p in positions], train, 0.4, label="training loop")
@@ -857,6 +921,8 @@ def chart(report, path):
             if not good:
                 axis.text(p, 0, row["status"], rotation=90, ha="center", va="bottom", color="tab:red")
     scaling_chart(scaling_axis, report)
+    phase_chart(phase_axis, report)
+    memory_chart(memory_axis, report)
     figure.suptitle(f"{report['machine']['summary']} | model {report['model']}", fontsize=9)
     figure.tight_layout()
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -881,6 +947,43 @@ def scaling_chart(axis, report):
         axis.text(0.5, 0.5, "run --nprocs 1,2,... to fill this panel", transform=axis.transAxes, ha="center",
                   color="gray")
     axis.legend(fontsize=8)
+
+
+def stacked_bars(axis, labels, parts):
+    """One bar per label, stacked from {part name: [value per label]}."""
+    bottom = [0.0] * len(labels)
+    for name, values in parts.items():
+        axis.bar(range(len(labels)), values, 0.6, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    axis.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    axis.legend(fontsize=8)
+    return bottom
+
+
+def phase_chart(axis, report):
+    rows = phase_rows(report)
+    axis.set_title("time per step by phase, rank 0 (--profile; lower is better)", fontsize=9)
+    axis.set_ylabel("milliseconds per step")
+    if not rows:
+        axis.text(0.5, 0.5, "run with --profile 5 to fill this panel", transform=axis.transAxes, ha="center",
+                  color="gray")
+        return
+    phases = list(rows[0]["profile"]["phases_ms"])
+    stacked_bars(axis, [row_label(row) for row in rows],
+                 {phase: [row["profile"]["phases_ms"][phase] for row in rows] for phase in phases})
+
+
+def memory_chart(axis, report):
+    rows = memory_rows(report)
+    axis.set_title("model state per process, rank 0 (black: the ZeRO formula)", fontsize=9)
+    axis.set_ylabel("MB")
+    if not rows:
+        return
+    stacked_bars(axis, [row_label(row) for row in rows],
+                 {part.replace("_", " "): [row["model_state_bytes"][part] / 2**20 for row in rows]
+                  for part in MODEL_STATE_PARTS})
+    axis.scatter(range(len(rows)), [row["model_state_formula_bytes"]["total"] / 2**20 for row in rows], color="black",
+                 marker="_", s=400, zorder=3)
 
 
 def write_report(report, output_dir, final):

@@ -132,6 +132,9 @@ def build_parser(script_file, description):
                         help="save a training checkpoint (for --resume) every N steps; 0 = never")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the training checkpoint in --output-dir, if there is one")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="record STEPS training steps with torch.profiler after 2 warm-up steps: "
+                             "<output-dir>/trace.json and milliseconds per phase in result.json (slower)")
     return parser
 
 
@@ -151,8 +154,9 @@ def add_precision_arg(parser, default="fp32", default_help=None):
 def check_args(args):
     if args.max_samples < 2:
         raise UserError(f"--max-samples must be at least 2, got {args.max_samples}")
-    if args.save_steps < 0:
-        raise UserError(f"--save-steps must be 0 or more, got {args.save_steps}")
+    for name in ("save_steps", "profile"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     if not 0 < args.dev_ratio < 1:
         raise UserError(f"--dev-ratio must be between 0 and 1, got {args.dev_ratio}")
     if args.lr is not None and not args.lr > 0:
@@ -711,14 +715,25 @@ class Trainer:
         first_step = self.resume_step()
         model_state = measure.ModelStateCount(self.strategy, self.model, self.optimizer)
         allreduces = measure.gradient_allreduce_count(self.model)
-        progress = self.train(first_step)
+        profile = None
+        if self.args.profile:
+            steps_left = len(self.train_loader.batch_sampler.micro_batches_per_step()) * self.args.epochs - first_step
+            profile = measure.StepProfile(self, self.args.profile, steps_left)
+        with profile or contextlib.nullcontext():
+            progress = self.train(first_step)
         metrics = self.evaluate()
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
         result = self.result(progress, metrics)
         result["resumed_from_step"] = first_step
         result["model_state_bytes"] = model_state.bytes
+        result["model_state_formula_bytes"] = measure.zero_formula(strategy, self.model)
+        if strategy.device.type == "cuda" and model_state.bytes:  # the rest: activations, buffers, workspaces
+            result["peak_memory_beyond_model_state_mb"] = round(
+                result["peak_memory_mb"] - model_state.bytes["total"] / 2**20, 1)
         if allreduces:
             result["gradient_allreduces"] = allreduces.calls
+        if profile and strategy.is_main:
+            result["profile"] = profile.summary(write_trace=True)
         if self.strategy.is_main:
             self.report(result, metrics)
             write_json(self.output_dir / "result.json", result)
@@ -905,9 +920,20 @@ class Trainer:
               f"{result['tokens_per_sample']:.1f} tokens + {result['padded_tokens_per_sample']:.1f} padding "
               f"per sample, peak memory {result['peak_memory_mb']:.0f} MB (rank 0)")
         if result["model_state_bytes"]:
-            held = result["model_state_bytes"]
+            held, formula = result["model_state_bytes"], result["model_state_formula_bytes"]
             print("model state held by rank 0: " + ", ".join(f"{name.replace('_', ' ')} {held[name] / 2**20:.2f} MB"
-                                                            for name in ("parameters", "gradients", "optimizer_state")))
+                                                            for name in ("parameters", "gradients", "optimizer_state"))
+                  + f"; the ZeRO formula for stage {formula['zero_stage']} over {formula['processes']} process(es): "
+                  + f"{formula['total'] / 2**20:.2f} MB in all (measured {held['total'] / 2**20:.2f} MB)")
+        if "peak_memory_beyond_model_state_mb" in result:
+            print(f"peak GPU memory beyond the model state (activations, buffers): "
+                  f"{result['peak_memory_beyond_model_state_mb']:.0f} MB")
+        if "profile" in result:
+            profile = result["profile"]
+            print(f"step anatomy (rank 0, {profile['steps']} steps recorded): {profile['step_ms']:.1f} ms per step = "
+                  + " + ".join(f"{name} {ms:.1f}" for name, ms in profile["phases_ms"].items())
+                  + f" (+ {profile['unaccounted_ms']:.1f} elsewhere); communication overlapped with computing: "
+                  + f"{profile['overlapped_communication_ms']:.1f} ms; trace: {self.output_dir / 'trace.json'}")
         print(f"dev: {result['dev_samples']} samples, accuracy {result['dev_accuracy']:.4f}, "
               f"macro-F1 {result['dev_macro_f1']:.4f}, loss {result['dev_loss']:.4f}")
         print(f"saved: {self.output_dir / 'model'} and {self.output_dir / 'result.json'}")

@@ -1,10 +1,12 @@
 """Measurements the Trainer takes beside the lesson, so that a reader of the training loop meets only
-the strategy: how many bytes of model state each process really holds, and (for the tests) how many
-gradient all-reduces DDP runs."""
+the strategy: how many bytes of model state each process really holds against what the ZeRO formulas
+predict, where a step's time goes (--profile), and (for the tests) how many gradient all-reduces DDP
+runs. Each wraps the methods it measures on the one object it measures."""
 import os
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, record_function
 
 
 class ModelStateCount:
@@ -13,14 +15,16 @@ class ModelStateCount:
     its moments in the first step, and zero_grad frees the gradients after each).
 
     Only this process's part counts: FSDP2's local shards of its DTensors, DeepSpeed's partitions
-    (its fp32 master partitions, reduced gradient partitions, ZeRO-3 weight partitions). A tensor
-    that is a view of another counts once, with the whole memory it lives in (flat buffers,
-    padding). Communication buffers (DDP's gradient buckets, for one) are not model state.
+    (reduced gradient partitions, ZeRO-3 weight partitions, and its fp32 master weights, which the
+    ZeRO paper counts as optimizer state). A tensor that is a view of another counts once, with the
+    whole memory it lives in (flat buffers, padding). Communication buffers (DDP's gradient buckets,
+    DeepSpeed's reduce bucket) are not model state.
     """
 
     def __init__(self, strategy, model, optimizer):
         self.model, self.optimizer, self.steps, self.bytes = model, optimizer, 0, None
-        self.zero_optimizer = getattr(getattr(strategy, "engine", None), "optimizer", None)  # DeepSpeed's
+        engine = getattr(strategy, "engine", None)
+        self.zero_optimizer = getattr(engine, "optimizer", None)  # DeepSpeed's
         self.strategy_step = strategy.step
         strategy.step = self.count_then_step  # on this strategy object only
 
@@ -31,37 +35,72 @@ class ModelStateCount:
         self.strategy_step(model, optimizer)
 
     def count(self):
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate wraps the torch optimizer
-        parameters = [*self.model.parameters(), *(p for group in optimizer.param_groups for p in group["params"])]
-        parameters += [p.ds_tensor for p in parameters if hasattr(p, "ds_tensor")]  # a ZeRO-3 weight partition
-        gradients = [p.grad for p in parameters if p.grad is not None]
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's and DeepSpeed's wrap torch's
         zero = self.zero_optimizer
-        parameters += [*getattr(zero, "single_partition_of_fp32_groups", []),
-                       *getattr(zero, "fp32_partitioned_groups_flat", [])]
+        master_weights = [*getattr(zero, "single_partition_of_fp32_groups", []),
+                          *getattr(zero, "fp32_partitioned_groups_flat", [])]  # what DeepSpeed's Adam updates
+        masters = {local(master).untyped_storage().data_ptr() for master in master_weights}
+        optimized = [p for group in optimizer.param_groups for p in group["params"]
+                     if local(p).untyped_storage().data_ptr() not in masters]
+        parameters = [*self.model.parameters(), *optimized]
+        parameters += [p.ds_tensor for p in parameters if hasattr(p, "ds_tensor")]  # a ZeRO-3 weight partition
+        gradients = [p.grad for p in parameters + master_weights if p.grad is not None]
         gradients += [g for group in getattr(zero, "averaged_gradients", {}).values() for g in group or []
                       if isinstance(g, torch.Tensor)]
         if isinstance(getattr(zero, "grad_partitions_flat_buffer", None), torch.Tensor):
             gradients.append(zero.grad_partitions_flat_buffer)
         seen = set()
-        self.bytes = {
-            "parameters": storage_bytes(parameters, seen),
-            "gradients": storage_bytes(gradients, seen),
-            "optimizer_state": storage_bytes([value for state in optimizer.state.values() for value in state.values()
-                                              if isinstance(value, torch.Tensor)], seen)}
-        self.bytes["total"] = sum(self.bytes.values())
+        held = {"parameters": storage_bytes(parameters, seen),
+                "gradients": storage_bytes(gradients, seen),
+                "optimizer_state": storage_bytes(master_weights + [value for state in optimizer.state.values()
+                                                                   for value in state.values()
+                                                                   if isinstance(value, torch.Tensor)], seen)}
+        self.bytes = {**held, "total": sum(held.values())}
+
+
+def zero_formula(strategy, model):
+    """The model state per process that the ZeRO paper's formulas predict for this run: with P
+    parameters over N processes, weights (w bytes each), gradients (g bytes each) and optimizer state
+    (Adam's two fp32 moments, plus a fp32 master copy where the library keeps one) held whole at
+    stage 0 (DDP and every unsharded strategy); ZeRO-1 divides the optimizer state by N, ZeRO-2 the
+    gradients too, ZeRO-3 and FSDP2 the weights too. Two rules of DeepSpeed's own apply: its ZeRO-1
+    reduces the gradients into their partitions at the end of backward (whole during backward, a
+    partition at the step), and its ZeRO-3 keeps weights under its persistence threshold whole too."""
+    engine, n = getattr(strategy, "engine", None), strategy.world_size
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    numel = {id(p): getattr(p, "ds_numel", p.numel()) for p in parameters}  # DTensor.numel() is the whole
+    count = sum(numel.values())
+    if engine is not None:
+        stage = engine.zero_optimization_stage()
+        weight_bytes = 2 if engine.fp16_enabled() or engine.bfloat16_enabled() else 4
+        master_bytes = 4 if stage or weight_bytes == 2 else 0  # DeepSpeed's own fp32 copy
+    else:
+        stage = 3 if any(isinstance(p, DTensor) for p in parameters) else 0
+        weight_bytes, master_bytes = parameters[0].element_size(), 0  # FSDP2 keeps its shards in fp32
+    persistent = sum(numel[id(p)] for p in parameters if getattr(p, "ds_persist", False))
+    gradients_sharded = stage >= 2 or (engine is not None and stage == 1)
+    predicted = {"parameters": weight_bytes * (persistent + count / n if stage == 3 else count),
+                 "gradients": weight_bytes * count / (n if gradients_sharded else 1),
+                 "optimizer_state": (8 + master_bytes) * count / (n if stage >= 1 else 1)}
+    predicted = {key: round(value) for key, value in predicted.items()}
+    return {**predicted, "total": sum(predicted.values()), "zero_stage": stage, "processes": n,
+            "parameter_count": count}
 
 
 def storage_bytes(tensors, seen):
     """Bytes of the memory the `tensors` live in, each block counted once (across calls too, by `seen`)."""
     total = 0
     for tensor in tensors:
-        if isinstance(tensor, DTensor):
-            tensor = tensor.to_local()
-        storage = tensor.untyped_storage()
+        storage = local(tensor).untyped_storage()
         if storage.nbytes() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def local(tensor):
+    """This process's part of a tensor: the local shard of FSDP2's DTensors."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 # Tests set it to count DDP's gradient all-reduces (result.json: gradient_allreduces).
@@ -88,3 +127,179 @@ def gradient_allreduce_count(model):
     if os.environ.get(COUNT_ALLREDUCES_ENV) and isinstance(model, DistributedDataParallel):
         return GradientAllReduceCount(model)
     return None
+
+
+PHASES = ("data loading", "forward", "backward", "optimizer step")
+WARMUP_STEPS = 2  # before the recorded steps: the first steps allocate, compile kernels, fill caches
+
+
+class StepProfile:
+    """--profile STEPS: record STEPS training steps with torch.profiler after a short warm-up, write
+    the trace (Perfetto, chrome://tracing) and summarise where a step's time goes.
+
+    Each phase is a profiler range around the Trainer's and the strategy's own methods; on a GPU a
+    phase also waits for its kernels, so that it lasts as long as its work (only while profiling).
+    Communication is the collectives the profiler sees by name: gloo's run on gloo's threads, NCCL's
+    as kernels. What runs while the process computes is overlapped; the rest is exposed (waited
+    for), and is taken out of the phase that waited. Horovod's all-reduces run on its own background
+    thread, invisible here: its exposed part is the wait in its optimizer's synchronize().
+    """
+
+    def __init__(self, trainer, steps, remaining_steps):
+        self.device, self.output_dir = trainer.strategy.device, trainer.output_dir
+        self.steps = min(steps, remaining_steps)
+        warmup = min(WARMUP_STEPS, remaining_steps - self.steps)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        schedule = torch.profiler.schedule(wait=max(0, warmup - 1), warmup=min(1, warmup), active=self.steps,
+                                            repeat=1)
+        self.profiler = torch.profiler.profile(activities=activities, schedule=schedule)
+        strategy, optimizer = trainer.strategy, trainer.optimizer
+        trainer.train_loader = TimedLoader(trainer.train_loader, self.timed)
+        trainer.to_device = self.timed("data loading", trainer.to_device)
+        trainer.forward = self.timed("forward", trainer.forward)
+        strategy.backward = self.timed("backward", strategy.backward)
+        strategy_step = self.timed("optimizer step", strategy.step)
+
+        def step_then_mark(*args):
+            strategy_step(*args)
+            self.profiler.step()
+        strategy.step = step_then_mark
+        if hasattr(optimizer, "synchronize"):  # Horovod's DistributedOptimizer
+            optimizer.synchronize = self.timed("horovod:synchronize", optimizer.synchronize)
+
+    def timed(self, name, function):
+        def timed_function(*args, **kwargs):
+            with record_function(name):
+                result = function(*args, **kwargs)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            return result
+        return timed_function
+
+    def __enter__(self):
+        self.profiler.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.profiler.stop()
+
+    def summary(self, write_trace):
+        """Milliseconds per recorded step by phase (they add up to the step), and the communication."""
+        if write_trace:
+            self.profiler.export_chrome_trace(str(self.output_dir / "trace.json"))
+        events = list(self.profiler.events())
+        steps = [e for e in events if e.name.startswith("ProfilerStep")]
+        main_thread = steps[0].thread
+        window = union(interval(e) for e in steps)
+
+        def ms_per_step(spans):
+            return round(length(spans) / 1000 / len(steps), 3)
+
+        if self.device.type == "cuda":
+            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            communication = [e for e in kernels if is_collective(e.name)]
+            busy = union(interval(e) for e in kernels if not is_collective(e.name))
+        else:  # the operators this process computes; a collective launched or waited for is not one
+            communication = [e for e in events if is_collective(e.name)]
+            busy = union(interval(e) for e in events if e.thread == main_thread and e.name.startswith("aten::")
+                         and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::")))
+        communicating = intersect(union(interval(e) for e in communication), window)
+        exposed = subtract(communicating, busy)
+        ranges = {name: union(interval(e) for e in events if e.name == name and e.thread == main_thread)
+                  for name in PHASES}
+        phases = {name: ms_per_step(subtract(ranges[name], exposed)) for name in PHASES}
+        phases["exposed communication"] = ms_per_step(exposed)
+        collectives = {}
+        for name in sorted({e.name for e in communication}):
+            spans = intersect(union(interval(e) for e in communication if e.name == name), window)
+            collectives[name] = {"ms": ms_per_step(spans), "exposed_ms": ms_per_step(subtract(spans, busy)),
+                                 "calls_per_step": sum(e.name == name for e in communication) / len(steps),
+                                 "during": max(PHASES, key=lambda phase: length(intersect(spans, ranges[phase])))}
+        step_ms = ms_per_step(window)
+        return {"steps": len(steps), "step_ms": step_ms, "phases_ms": phases,
+                "unaccounted_ms": round(step_ms - sum(phases.values()), 3),
+                "communication_ms": ms_per_step(communicating),
+                "overlapped_communication_ms": round(ms_per_step(communicating) - phases["exposed communication"], 3),
+                "collectives": collectives,
+                **({"note": HOROVOD_NOTE} if "horovod:synchronize" in collectives else {})}
+
+
+class TimedLoader:
+    """The training DataLoader, each batch fetched inside a "data loading" range."""
+
+    def __init__(self, loader, timed):
+        self.loader, self.next_batch = loader, timed("data loading", next)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        while True:
+            try:
+                yield self.next_batch(batches)
+            except StopIteration:
+                return
+
+
+COLLECTIVE_NAMES = ("gloo:", "nccl:", "horovod:")
+HOROVOD_NOTE = ("Horovod all-reduces on its background thread, which torch.profiler does not see: its communication "
+                "here is only the wait in synchronize(), all of it exposed (HOROVOD_TIMELINE=file shows the rest)")
+
+
+def is_collective(name):
+    name = name.lower()
+    return name.startswith(COLLECTIVE_NAMES) or "nccl" in name and "kernel" in name.lower()
+
+
+def interval(event):
+    return event.time_range.start, event.time_range.end
+
+
+def union(intervals):
+    """Sorted, disjoint intervals (microseconds) covering the same time as `intervals`."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(span) for span in merged]
+
+
+def intersect(a, b):
+    """The time in both of two unions."""
+    spans, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            spans.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return spans
+
+
+def subtract(a, b):
+    """The time in union `a` and not in union `b`."""
+    spans = []
+    for start, end in a:
+        for b_start, b_end in b:
+            if b_end <= start or b_start >= end:
+                continue
+            if b_start > start:
+                spans.append((start, b_start))
+            start = max(start, b_end)
+            if start >= end:
+                break
+        if start < end:
+            spans.append((start, end))
+    return spans
+
+
+def length(spans):
+    return sum(end - start for start, end in spans)

@@ -143,7 +143,7 @@ def test_list_shows_every_row_and_a_variant_of_ones_own():
 
 def options_for(row, gpus=0, nprocs=2, **overrides):
     values = dict(max_samples=None, epochs=None, batch_size=None, global_batch=None, precision=None, grad_accum=None,
-                  passthrough=[], strategy_options={})
+                  profile=None, passthrough=[], strategy_options={})
     args = argparse.Namespace(**{**values, **overrides})
     variants = {variant.name: variant for variant in benchmark.BUILT_IN_VARIANTS}
     return benchmark.script_options(args, variants[row], benchmark.ROOT / "out", "tiny", gpus, nprocs)
@@ -179,6 +179,7 @@ def test_every_launch_line_and_the_options_each_row_gets():
     # With accumulation each micro-batch is a share of it, and every row gets the option.
     assert batch("ddp", 0, global_batch=64, grad_accum=2) == ["--batch-size", "16"]
     assert options_for("fsdp", grad_accum=2)[-2:] == ["--grad-accum", "2"]
+    assert options_for("ddp", profile=5)[-2:] == ["--profile", "5"]
     assert benchmark.global_batch_label({"global_batch": 64, "gradient_accumulation": 2}) == "64 (2 micro-batches)"
 
     assert options_for("ddp", epochs=2, passthrough=["--lr", "1e-4"]) == [
