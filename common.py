@@ -733,7 +733,7 @@ class Trainer:
         if allreduces:
             result["gradient_allreduces"] = allreduces.calls
         if profile and strategy.is_main:
-            result["profile"] = profile.summary(write_trace=True)
+            result["profile"] = profile.summary()
         if self.strategy.is_main:
             self.report(result, metrics)
             write_json(self.output_dir / "result.json", result)

@@ -183,10 +183,10 @@ class StepProfile:
     def __exit__(self, *exc_info):
         self.profiler.stop()
 
-    def summary(self, write_trace):
-        """Milliseconds per recorded step by phase (they add up to the step), and the communication."""
-        if write_trace:
-            self.profiler.export_chrome_trace(str(self.output_dir / "trace.json"))
+    def summary(self):
+        """Write the trace; return milliseconds per recorded step by phase (they add up to the
+        step), and the communication."""
+        self.profiler.export_chrome_trace(str(self.output_dir / "trace.json"))
         events = list(self.profiler.events())
         steps = [e for e in events if e.name.startswith("ProfilerStep")]
         main_thread = steps[0].thread
@@ -195,12 +195,11 @@ class StepProfile:
         def ms_per_step(spans):
             return round(length(spans) / 1000 / len(steps), 3)
 
-        if self.device.type == "cuda":
-            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-            communication = [e for e in kernels if is_collective(e.name)]
-            busy = union(interval(e) for e in kernels if not is_collective(e.name))
+        communication = [e for e in events if is_collective(e.name)]
+        if self.device.type == "cuda":  # compute is the GPU's kernels
+            busy = union(interval(e) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                         and not is_collective(e.name))
         else:  # the operators this process computes; a collective launched or waited for is not one
-            communication = [e for e in events if is_collective(e.name)]
             busy = union(interval(e) for e in events if e.thread == main_thread and e.name.startswith("aten::")
                          and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::")))
         communicating = intersect(union(interval(e) for e in communication), window)
@@ -245,14 +244,14 @@ class TimedLoader:
                 return
 
 
-COLLECTIVE_NAMES = ("gloo:", "nccl:", "horovod:")
+COLLECTIVE_NAMES = ("gloo:", "horovod:")  # gloo's own threads, Horovod's wait; NCCL's are GPU kernels
 HOROVOD_NOTE = ("Horovod all-reduces on its background thread, which torch.profiler does not see: its communication "
                 "here is only the wait in synchronize(), all of it exposed (HOROVOD_TIMELINE=file shows the rest)")
 
 
 def is_collective(name):
     name = name.lower()
-    return name.startswith(COLLECTIVE_NAMES) or "nccl" in name and "kernel" in name.lower()
+    return name.startswith(COLLECTIVE_NAMES) or ("nccl" in name and "kernel" in name)
 
 
 def interval(event):
