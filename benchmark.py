@@ -58,7 +58,7 @@ import common
 ROOT = common.ROOT
 # The launchers come from the same environment as this Python, so every strategy runs the same libraries.
 BIN = Path(sys.executable).parent
-VERSIONED = ["torch", "transformers", "accelerate", "deepspeed", "horovod"]
+VERSIONED = ["torch", "transformers", "accelerate", "deepspeed", "horovod", "lightning_fabric"]
 SCRIPT_BATCH_SIZE = common.build_parser(__file__, "").get_default("batch_size")
 RESULTS_DIR = ROOT / "docs" / "results"
 
@@ -127,6 +127,12 @@ def launch_accelerate(script, n, gpus):
             "--main_process_port", str(free_port()), script]
 
 
+def launch_fabric(script, n, gpus):
+    # fabric run is torchrun underneath; it passes the accelerator and device count to Fabric().
+    return [executable("fabric"), "run", "--accelerator", "cuda" if gpus else "cpu", "--devices", str(n),
+            "--main-port", str(free_port()), script]
+
+
 @dataclass(frozen=True)
 class Entry:
     """A strategy: its script and how it is launched."""
@@ -138,6 +144,7 @@ class Entry:
     splits_batch: bool = False     # one process splits its --batch-size over its GPUs (DataParallel)
     mixed_precision: bool = False  # the script takes --precision
     distributed: bool = True       # runs --nprocs processes (single and DataParallel run one)
+    profiles: bool = True          # takes --profile (transformers.Trainer runs its own loop: it does not)
 
 
 STRATEGIES = {entry.name: entry for entry in [
@@ -153,6 +160,10 @@ STRATEGIES = {entry.name: entry for entry in [
     Entry("accelerate", "multi-gpu-accelerate-cls.py", "accelerate launch", launch_accelerate, needs="accelerate",
           mixed_precision=True),
     Entry("fsdp", "multi-gpu-fsdp-cls.py", "torchrun", launch_torchrun, mixed_precision=True),
+    Entry("hf-trainer", "multi-gpu-transformers-cls.py", "torchrun", launch_torchrun, needs="accelerate",
+          mixed_precision=True, profiles=False),
+    Entry("fabric", "multi-gpu-fabric-cls.py", "fabric run", launch_fabric, needs="lightning_fabric",
+          mixed_precision=True),
 ]}
 
 
@@ -240,12 +251,14 @@ def parse_args(argv=None):
                         help="the same global batch for every row and process count (strong scaling): per-device "
                              "batch = N / devices")
     parser.add_argument("--precision", choices=common.PRECISIONS,
-                        help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate, fsdp); the "
+                        help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate, fsdp, hf-trainer, "
+                             "fabric); the "
                              "others stay in fp32 (default: the scripts' own: fp32, and for ddp-amp fp16 on GPUs, "
                              "bf16 on CPU)")
     parser.add_argument("--profile", type=int, metavar="STEPS",
                         help="every script records STEPS steps with torch.profiler: the anatomy table and chart "
-                             "panel show each step's time by phase (train s then includes the profiler's cost)")
+                             "panel show each step's time by phase (train s then includes the profiler's cost; "
+                             "hf-trainer runs transformers' own loop and is not profiled)")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds one launch may take before it is killed (default: %(default)g)")
     parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
@@ -380,7 +393,7 @@ def script_options(args, variant, run_dir, model, gpus, nprocs):
         options += ["--precision", args.precision]
     if args.grad_accum:
         options += ["--grad-accum", str(args.grad_accum)]
-    if args.profile:
+    if args.profile and entry.profiles:
         options += ["--profile", str(args.profile)]
     return (options + batch_options(args, entry, gpus, nprocs) + args.passthrough
             + args.strategy_options.get(entry.name, []) + list(variant.options))

@@ -1032,6 +1032,19 @@ def replace_dir(staging, path):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def read_json_object(path, what):
+    """The JSON object in `path` (a config file), or one clear error naming the file."""
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} must hold a JSON object (a {what})")
+    return config
+
+
 def write_json(path, data):
     """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
     path = Path(path)

@@ -161,7 +161,7 @@ def import_deepspeed(device):
 
 def build_config(args, device, world_size):
     """The DeepSpeed config: the file (if any), the flags on top of it, then the batch sizes."""
-    config = read_config(args.deepspeed_config) if args.deepspeed_config else {}
+    config = common.read_json_object(args.deepspeed_config, "DeepSpeed config") if args.deepspeed_config else {}
     if "optimizer" in config or "scheduler" in config:
         raise common.UserError(f"{args.deepspeed_config}: remove its optimizer/scheduler section: this script "
                                "builds AdamW from --lr and --weight-decay, as every script of the suite does")
@@ -203,18 +203,6 @@ def build_config(args, device, world_size):
                                    f"{value}: batch sizes come from --batch-size and --grad-accum")
     config.update(batch)
     return config, precision
-
-
-def read_config(path):
-    try:
-        config = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise common.UserError(f"DeepSpeed config not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise common.UserError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise common.UserError(f"{path} must hold a JSON object (a DeepSpeed config)")
-    return config
 
 
 def offload_label(zero):

@@ -151,9 +151,10 @@ def options_for(row, gpus=0, nprocs=2, **overrides):
 
 def test_every_launch_line_and_the_options_each_row_gets():
     lines = {name: entry.launch(entry.script, 2, 0) for name, entry in benchmark.STRATEGIES.items()}
-    assert len(lines) == 9 and all(entry.script in lines[name] for name, entry in benchmark.STRATEGIES.items())
+    assert len(lines) == 11 and all(entry.script in lines[name] for name, entry in benchmark.STRATEGIES.items())
     assert lines["ddp"][:3] == [".venv/bin/torchrun", "--nproc_per_node", "2"] and lines["ddp"][4].isdigit()
     assert lines["fsdp"][:3] == lines["ddp"][:3] and lines["fsdp"][-1] == "multi-gpu-fsdp-cls.py"
+    assert lines["fabric"][:6] == [".venv/bin/fabric", "run", "--accelerator", "cpu", "--devices", "2"]
     assert lines["ddp-spawn"][-2:] == ["--nprocs", "2"] and lines["ddp-amp"][-2:] == ["--nprocs", "2"]
     assert lines["horovod"][:6] == [".venv/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"]
     assert lines["deepspeed"][:3] == [".venv/bin/deepspeed", "--num_gpus", "2"]
@@ -180,13 +181,14 @@ def test_every_launch_line_and_the_options_each_row_gets():
     assert batch("ddp", 0, global_batch=64, grad_accum=2) == ["--batch-size", "16"]
     assert options_for("fsdp", grad_accum=2)[-2:] == ["--grad-accum", "2"]
     assert options_for("ddp", profile=5)[-2:] == ["--profile", "5"]
+    assert "--profile" not in options_for("hf-trainer", profile=5)  # transformers' own loop
     assert benchmark.global_batch_label({"global_batch": 64, "gradient_accumulation": 2}) == "64 (2 micro-batches)"
 
     assert options_for("ddp", epochs=2, passthrough=["--lr", "1e-4"]) == [
         "--output-dir", "out", "--model", "tiny", "--epochs", "2", "--lr", "1e-4"]
     # --precision reaches the strategies that offer mixed precision, and only those.
     offered = {entry for entry in benchmark.STRATEGIES if "--precision" in options_for(entry, precision="bf16")}
-    assert offered == {"ddp-amp", "deepspeed", "accelerate", "fsdp"}
+    assert offered == {"ddp-amp", "deepspeed", "accelerate", "fsdp", "hf-trainer", "fabric"}
     # Per-strategy options reach every row of that strategy and no other; a variant's own come last.
     chosen = {"deepspeed": ["--offload", "none"]}
     assert options_for("deepspeed-zero3", strategy_options=chosen)[-4:] == ["--offload", "none", "--zero-stage", "3"]

@@ -1,0 +1,117 @@
+"""multi-gpu-transformers-cls.py: transformers.Trainer with the suite's data, optimizer and loss rule,
+on CPU processes over gloo."""
+import runpy
+import signal
+import sys
+
+import pytest
+import transformers
+
+import common
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
+                      free_port, predict_dev_accuracy, read_result, require, run, single_run, untrained_dev_loss)
+
+SCRIPT = "multi-gpu-transformers-cls.py"
+CPU = [*SMALL, "--device", "cpu"]
+
+
+def torchrun(processes, *options, env=None, check=True):
+    return run([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *CPU,
+                *options], env=env, check=check, timeout=600)
+
+
+@pytest.fixture(autouse=True)
+def accelerate_installed():
+    require("accelerate")  # transformers.Trainer runs on it
+
+
+@pytest.fixture(scope="module")
+def single_33(tmp_path_factory):
+    return single_run(tmp_path_factory, 33)
+
+
+def test_three_processes_end_with_the_single_device_weights_and_count_each_dev_sample_once(tmp_path, single_33):
+    """3 x 11 against one device x 33: the last global batch (2 samples) leaves one process only a
+    repeat of weight 0, and the 83 dev samples do not split over 3. Exact to float rounding: the
+    Trainer's defaults (clipping, linear decay, its AdamW, sampler, loss averaging) are all undone."""
+    process = torchrun(3, *EXACT, "--batch-size", "11", "--output-dir", str(tmp_path), env={"OMP_NUM_THREADS": "1"})
+    assert_same_weights(single_33 / "model", tmp_path / "model")
+    result, reference = read_result(tmp_path), read_result(single_33)
+    # The same fields as every script's result.json, filled the same way.
+    assert result.keys() == reference.keys()
+    assert result["strategy"] == "hf-trainer" and result["launcher"] == "torchrun" and result["world_size"] == 3
+    assert result["global_batch_size"] == 33 and result["batch_size_per_process"] == 11
+    assert result["steps"] == reference["steps"] == 11 and result["samples_trained"] == 332
+    assert result["dev_samples"] == DEV_SAMPLES and result["train_samples"] == 332
+    assert result["threads_per_process"] == max(1, common.usable_cores() // 3)
+    assert result["versions"]["accelerate"] and result["resumed_from_step"] == 0
+    for key in ("dev_loss", "dev_accuracy", "dev_macro_f1", "final_train_loss", "tokens_per_sample"):
+        assert result[key] == pytest.approx(reference[key], rel=1e-5), key
+    assert result["model_state_bytes"] == reference["model_state_bytes"]  # stage 0: all of it in each process
+    # Rank 0 alone prints, in the suite's form; the Trainer's own log dictionaries are not printed.
+    assert process.stdout.count("【train】 epoch：1/1 step：11/11 loss：") == 1
+    assert "dev: 83 samples" in process.stdout and "strategy hf-trainer (torchrun, 3 process(es)" in process.stdout
+    assert "'loss':" not in process.stdout + process.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
+
+
+def test_one_process_ends_with_the_single_device_weights(tmp_path, single_reference):
+    """python, no launcher: the Trainer on one device, 2 micro-batches of 16 per step against one
+    batch of 32 (its accumulation, and the short last step of one micro-batch of 12)."""
+    run([PYTHON, SCRIPT, *CPU, *EXACT, "--batch-size", "16", "--grad-accum", "2", "--output-dir", str(tmp_path)])
+    result = read_result(tmp_path)
+    assert result["launcher"] == "python" and result["world_size"] == 1 and result["steps"] == 11
+    assert result["global_batch_size"] == 32 and result["gradient_accumulation_steps"] == 2
+    assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_two_shuffled_processes_learn_and_save_a_portable_model(tmp_path):
+    """Shuffling, length grouping and dropout on, 2 micro-batches per step."""
+    torchrun(2, "--batch-size", "8", "--grad-accum", "2", "--output-dir", str(tmp_path))
+    result = read_result(tmp_path)
+    assert result["world_size"] == 2 and result["global_batch_size"] == 32 and result["steps"] == 11
+    assert result["dev_samples"] == DEV_SAMPLES and result["samples_trained"] == 332
+    assert result["dev_loss"] < untrained_dev_loss() - 0.03
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
+    # predict.py scores the reported accuracy; transformers' own pipeline loads the folder.
+    assert abs(predict_dev_accuracy(tmp_path) - result["dev_accuracy"]) < 1e-9
+    classify = transformers.pipeline("text-classification", model=str(tmp_path / "model"), device="cpu")
+    assert classify("今天天气真好")[0]["label"] in common.LABELS
+
+
+def test_a_failing_rank_ends_the_job(tmp_path):
+    process = torchrun(2, "--output-dir", str(tmp_path), env={common.FAIL_AT_ENV: "1:2"}, check=False)
+    assert process.returncode != 0
+    assert "error: rank 1 failed: RuntimeError: failure injected by SUITE_FAIL_AT at step 2" in process.stderr
+    assert_no_process_left(str(tmp_path))
+    assert not (tmp_path / "result.json").exists()
+
+
+def test_deepspeed_through_training_arguments_ends_with_the_single_device_weights(tmp_path, single_reference):
+    """TrainingArguments(deepspeed=configs/deepspeed/zero2.json), 2 CPU processes x 16, fp32."""
+    require("deepspeed")
+    torchrun(2, *EXACT, "--batch-size", "16", "--deepspeed", "configs/deepspeed/zero2.json",
+             "--output-dir", str(tmp_path))
+    result = read_result(tmp_path)
+    assert result["zero_stage"] == 2 and result["versions"]["deepspeed"] and result["dev_samples"] == DEV_SAMPLES
+    assert result["deepspeed_config"]["gradient_clipping"] == 0.0  # "auto", filled from max_grad_norm=0
+    assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_what_the_trainer_cannot_do_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    """Refused before any process group or model: run in this process, it costs no interpreter start."""
+    handler = signal.getsignal(signal.SIGTERM)  # common.run installs its own
+    try:
+        for options, message in (
+                (["--fsdp"], "error: --fsdp needs GPUs: with CPU processes Accelerate drops the Trainer's FSDP plugin"),
+                (["--resume"], "error: --resume and --save-steps are not available in multi-gpu-transformers-cls.py")):
+            monkeypatch.setattr(sys, "argv", [SCRIPT, *CPU, *options, "--output-dir", str(tmp_path)])
+            with pytest.raises(SystemExit) as exit_:
+                runpy.run_path(str(ROOT / SCRIPT), run_name="__main__")
+            stderr = capsys.readouterr().err
+            assert exit_.value.code == 2
+            assert stderr.strip().splitlines() == [stderr.strip().splitlines()[-1]]
+            assert stderr.startswith(message), stderr
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert not any(tmp_path.iterdir())
