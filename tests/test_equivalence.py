@@ -26,9 +26,11 @@ LAUNCH = {
                                 "multi-gpu-deepspeed-cls.py", "--zero-stage", "3", "--precision", "fp32"],
     "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "3",
                            "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu"],
+    "fabric": lambda: [BIN / "fabric", "run", "--accelerator", "cpu", "--devices", "3", "--main-port", free_port(),
+                       "multi-gpu-fabric-cls.py"],
 }
 NEEDS = {"horovod": "horovod", "deepspeed-zero1": "deepspeed", "deepspeed-zero3": "deepspeed",
-         "accelerate": "accelerate"}
+         "accelerate": "accelerate", "fabric": "lightning_fabric"}
 
 
 @pytest.fixture(scope="module")
