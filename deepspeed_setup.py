@@ -1,0 +1,171 @@
+"""The helpers of multi-gpu-deepspeed-cls.py that are not the lesson: its options, the config merging
+and checks, the optimizer choice, --estimate-memory, and DeepSpeed's config errors in one line."""
+import contextlib
+import os
+import warnings
+
+import pydantic
+import torch
+
+import common
+
+# DeepSpeed 0.19 still calls collectives that torch 2.13 has renamed: a warning per call site and rank.
+warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated")
+
+# --offload choice -> the zero_optimization sections that move state to the CPU.
+OFFLOAD_KEYS = {"none": [], "optimizer": ["offload_optimizer"],
+                "optimizer+param": ["offload_optimizer", "offload_param"]}
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def add_deepspeed_args(parser):
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
+                        help="what ZeRO partitions; None = the config file's, else 2")
+    parser.add_argument("--deepspeed-config", metavar="JSON",
+                        help="a DeepSpeed config, e.g. configs/deepspeed/zero3.json; the flags given override it")
+    parser.add_argument("--offload", choices=list(OFFLOAD_KEYS),
+                        help="keep the optimizer state (and, at stage 3, the weights) in CPU memory; "
+                             "None = the config file's, else none")
+    common.add_precision_arg(parser, default=None, default_help="the config file's, else fp32")
+    parser.add_argument("--estimate-memory", type=int, nargs="*", metavar="N",
+                        help="print the model-state memory per GPU and per machine for each --zero-stage and "
+                             "--offload, for GPUS_PER_NODE [NODES] (None given = this launch's processes), "
+                             "then exit")
+
+
+def import_deepspeed(device):
+    """DeepSpeed picks its accelerator once, when first imported: name it, so that --device cpu is
+    honoured on a GPU machine (and a CPU machine skips the detection and its warning)."""
+    os.environ["DS_ACCELERATOR"] = device.type  # --device wins over an exported DS_ACCELERATOR
+    import deepspeed
+    return deepspeed
+
+
+def build_config(args, device, world_size):
+    """The DeepSpeed config: the file (if any), the flags on top of it, then the batch sizes."""
+    config = common.read_json_object(args.deepspeed_config, "DeepSpeed config") if args.deepspeed_config else {}
+    if "optimizer" in config or "scheduler" in config:
+        raise common.UserError(f"{args.deepspeed_config}: remove its optimizer/scheduler section: this script "
+                               "builds AdamW from --lr and --weight-decay, as every script of the suite does")
+    zero = config.setdefault("zero_optimization", {})
+    if args.zero_stage is not None:
+        zero["stage"] = args.zero_stage
+    zero.setdefault("stage", 2)
+    if zero["stage"] not in (0, 1, 2, 3):
+        raise common.UserError(f"{args.deepspeed_config}: ZeRO stage must be 0, 1, 2 or 3, got {zero['stage']!r}")
+    if args.offload is not None:
+        for key in OFFLOAD_KEYS["optimizer+param"]:
+            zero.pop(key, None)
+        for key in OFFLOAD_KEYS[args.offload]:
+            zero[key] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    offload = offload_label(zero)
+    if "param" in offload and zero["stage"] != 3:
+        raise common.UserError(f"offloading the weights needs --zero-stage 3 (only stage 3 partitions them); "
+                               f"this run asks for stage {zero['stage']}")
+    if offload != "none" and zero["stage"] == 0:
+        raise common.UserError("offloading the optimizer needs --zero-stage 1, 2 or 3: stage 0 has no ZeRO optimizer")
+
+    # Precision: the flag, else what the file enables, else fp32 like every other row of the
+    # benchmark (DeepSpeed's own default is 16-bit: mixing it in would compare two things at once).
+    precision = args.precision or next((p for p in ("fp16", "bf16") if config.get(p, {}).get("enabled")), "fp32")
+    common.check_precision(precision, device)
+    for name in ("fp16", "bf16"):
+        config[name] = {**config.get(name, {}), "enabled": precision == name}
+
+    # DeepSpeed clips the gradient norm to 1.0 unless the config says otherwise; no other script
+    # of the suite clips, so neither does this one unless the file asks for it.
+    config.setdefault("gradient_clipping", 0.0)
+
+    # The DataLoader is ours and reads --batch-size per process and micro-batch, so the global batch
+    # is the same as in every other script: --batch-size x processes x --grad-accum.
+    batch = dict(zip(BATCH_KEYS, (args.batch_size, args.grad_accum, args.batch_size * world_size * args.grad_accum)))
+    for key, value in batch.items():
+        if config.get(key, value) != value:
+            raise common.UserError(f"{args.deepspeed_config} sets {key} {config[key]}, but the command line gives "
+                                   f"{value}: batch sizes come from --batch-size and --grad-accum")
+    config.update(batch)
+    return config, precision
+
+
+def offload_label(zero):
+    parts = [part for key, part in (("offload_optimizer", "optimizer"), ("offload_param", "param"))
+             if zero.get(key, {}).get("device", "none") != "none"]
+    return "+".join(parts) or "none"
+
+
+def make_optimizer(model, lr, args, config):
+    optimizer = common.make_optimizer(model, lr, args.weight_decay)
+    if "optimizer" not in offload_label(config["zero_optimization"]):
+        return optimizer
+    # ZeRO-Offload steps the optimizer on the CPU, where DeepSpeed's vectorised Adam (a C++ op,
+    # compiled on first use and cached) is several times faster than torch's AdamW. Same groups.
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    groups = [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in optimizer.param_groups]
+    return DeepSpeedCPUAdam(groups, lr=lr, adamw_mode=True)
+
+
+@contextlib.contextmanager
+def config_errors():
+    """deepspeed.initialize validates the config with pydantic: an unknown or invalid key in the
+    config file becomes one line that names it instead of a traceback."""
+    try:
+        yield
+    except pydantic.ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise common.UserError(f"DeepSpeed rejected the config ({error.title}): {problems}") from None
+
+
+def estimate_memory(args):
+    """--estimate-memory: rank 0 prints the table (no process group is formed, no training)."""
+    gpus_per_node, nodes = estimate_layout(args.estimate_memory)
+    if common.current_rank() == 0:
+        import_deepspeed(torch.device("cpu"))
+        print_memory_estimate(args, gpus_per_node, nodes)
+
+
+def print_memory_estimate(args, gpus_per_node, nodes):
+    """What the weights, gradients and Adam state need per GPU and per machine, for each choice of
+    --zero-stage and --offload: DeepSpeed's estimators for stages 2 and 3, and the same byte
+    counts for stages 0 and 1, which it has no estimator for. Activations come on top."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    train_records, _ = common.split_records(common.load_records(args.data), args.max_samples, args.dev_ratio,
+                                            args.seed)
+    _, model, model_name, _ = common.load_model(args, [text for text, _ in train_records],
+                                                common.resolve_model(args.model))
+    params, largest_layer = model_to_params(model)
+    gpus, layout = gpus_per_node * nodes, dict(num_gpus_per_node=gpus_per_node, num_nodes=nodes)
+    # Per parameter: 2 bytes of 16-bit weights, 2 of 16-bit and 4 of fp32 gradients, 4 of fp32
+    # master weights, 8 of Adam moments; ZeRO divides the partitioned ones by the GPU count. Every
+    # process first loads the whole model in fp32 (4 bytes), with DeepSpeed's 1.5 margin.
+    loading = 4 * params * gpus_per_node * 1.5
+    rows = [(0, "none", loading, 20 * params), (1, "none", loading, 4 * params + 16 * params / gpus)]
+    for offload in ("none", "optimizer"):
+        cpu, gpu = estimate_zero2_model_states_mem_needs(params, **layout, cpu_offload=offload != "none")
+        rows.append((2, offload, cpu, gpu))
+    for offload in ("none", "optimizer", "optimizer+param"):
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest_layer, **layout, zero_init=False,
+                                                            cpu_offload=offload != "none",
+                                                            cpu_offload_params=offload == "optimizer+param")
+        rows.append((3, offload, cpu, gpu))
+    print(f"Model-state memory of {model_name} ({params / 1e6:.1f}M parameters, largest layer "
+          f"{largest_layer / 1e6:.1f}M), mixed precision with Adam, {nodes} machine(s) x {gpus_per_node} GPU(s):")
+    print(f"{'--zero-stage':>12}  {'--offload':<16}{'per GPU':>12}{'CPU per machine':>18}")
+    for stage, offload, cpu, gpu in rows:
+        print(f"{stage:>12}  {offload:<16}{size(gpu):>12}{size(cpu):>18}")
+
+
+def size(count):
+    return f"{count / 2**30:.2f} GB" if count >= 2**30 else f"{count / 2**20:.1f} MB"
+
+
+def estimate_layout(values):
+    """(GPUs per machine, machines) from --estimate-memory, else from the launch, else this machine."""
+    if len(values) > 2 or any(value < 1 for value in values):
+        raise common.UserError("--estimate-memory takes GPUS_PER_NODE [NODES], each at least 1")
+    if values:
+        return values[0], values[1] if len(values) == 2 else 1
+    if "WORLD_SIZE" in os.environ:
+        per_node = int(os.environ.get("LOCAL_SIZE", os.environ["WORLD_SIZE"]))
+        return per_node, int(os.environ["WORLD_SIZE"]) // per_node
+    return max(1, torch.cuda.device_count()), 1
