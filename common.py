@@ -44,8 +44,6 @@ CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"
 PRECISIONS = ["fp32", "bf16", "fp16"]
 # CPU flags of native 16-bit arithmetic (/proc/cpuinfo); without them torch emulates the type in fp32.
 NATIVE_CPU_FLAGS = {"bf16": {"avx512_bf16", "amx_bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}
-# Tests inject a crash with "RANK:STEP" to check that a failing rank ends the whole job.
-FAIL_AT_ENV = "SUITE_FAIL_AT"
 
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
@@ -603,9 +601,8 @@ class Strategy:
         folder swapped in whole: a half-written checkpoint is never taken for one."""
         if self.is_main:
             with staged_dir(path) as staging:
-                torch.save({"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), **state},
-                           staging / CHECKPOINT_FILE)
-                write_json(staging / MEANING_FILE, {"step": state["step"], **state["meaning"]})
+                write_training_state(staging, {"model": self.unwrap(model).state_dict(),
+                                               "optimizer": optimizer.state_dict(), **state})
 
     def checkpoint_meaning(self, path):
         """The step and settings of the complete checkpoint in `path`, or None when there is none."""
@@ -702,8 +699,8 @@ class Trainer:
         # that average into the sum.
         return logits, (per_sample * batch["weight"]).sum() * self.strategy.world_size
 
-    def fit(self):
-        """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
+    def log_start(self):
+        """The first lines every script prints: what this run is."""
         strategy = self.strategy
         self.log(f"model: {self.model_name} | learning rate: {self.lr:g} | processes: {strategy.world_size} | "
                  f"global batch: {self.global_batch_size} | "
@@ -712,9 +709,15 @@ class Trainer:
         if not self.native_precision:
             self.log(f"note: this {strategy.device.type} has no native {strategy.precision}: torch emulates it, "
                      f"slower than fp32 here (where the hardware has it, mixed precision is faster)")
+
+    def fit(self):
+        """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
+        strategy = self.strategy
+        self.log_start()
         first_step = self.resume_step()
         model_state = measure.ModelStateCount(self.strategy, self.model, self.optimizer)
         allreduces = measure.gradient_allreduce_count(self.model)
+        measure.inject_failure(self.strategy, first_step)  # the tests' SUITE_FAIL_AT
         profile = None
         if self.args.profile:
             steps_left = len(self.train_loader.batch_sampler.micro_batches_per_step()) * self.args.epochs - first_step
@@ -786,7 +789,6 @@ class Trainer:
         steps_per_epoch = len(micro_batches_per_step)
         total_steps = steps_per_epoch * args.epochs
         global_batch_sizes = sampler.global_batch_sizes()
-        fail_rank, fail_step = parse_fail_at(os.environ.get(FAIL_AT_ENV))
         progress = tqdm(total=total_steps, initial=first_step, disable=not strategy.is_main, mininterval=1,
                         dynamic_ncols=True)
         step, paused_seconds, samples = first_step, 0.0, 0
@@ -816,12 +818,13 @@ class Trainer:
                 strategy.step(self.model, self.optimizer)
                 step += 1
                 samples += global_batch_sizes[step_in_epoch]
-                if step == fail_step and strategy.rank == fail_rank:
-                    raise RuntimeError(f"failure injected by {FAIL_AT_ENV} at step {step}")
                 losses_summed += 1
                 progress.update()
                 if step % args.log_steps == 0 or step == total_steps:
-                    # A host sync, on logging steps only.
+                    # Reading the loss makes the CPU wait for the device (.item()) and the other
+                    # processes (reduce_mean): on logging steps only. Not a step's only wait: fp16's
+                    # loss scaling (GradScaler, DeepSpeed's) reads whether the gradients overflowed,
+                    # Horovod's step waits for its all-reduces.
                     last_loss = strategy.reduce_mean(loss_sum / losses_summed).item()
                     loss_sum.zero_()
                     losses_summed = 0
@@ -965,13 +968,6 @@ def count_tokens(batch):
     return torch.tensor([real.item(), batch["input_ids"].numel()], dtype=torch.float64)
 
 
-def parse_fail_at(value):
-    if not value:
-        return None, None
-    rank, step = value.split(":")
-    return int(rank), int(step)
-
-
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -1021,6 +1017,29 @@ def staged_dir(path):
         shutil.rmtree(staging, ignore_errors=True)
         raise
     replace_dir(staging, path)
+
+
+@contextlib.contextmanager
+def staged_checkpoint(path, state, is_main, barrier):
+    """Yield the staging folder of a training checkpoint that every process writes part of (its
+    shards), by a collective save that returns once all of them are written. Rank 0 empties it
+    first; after the block it adds `state` and swaps the folder in whole, so an interrupted save
+    leaves the previous checkpoint whole. `barrier()` waits for every process."""
+    staging = path.with_name(f".{path.name}.staging")  # the same name in every process
+    if is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+    barrier()
+    yield staging
+    if is_main:
+        write_training_state(staging, state)
+        replace_dir(staging, path)
+    barrier()
+
+
+def write_training_state(folder, state):
+    """The checkpoint's state, and beside it what its step means, readable by a person."""
+    torch.save(state, folder / CHECKPOINT_FILE)
+    write_json(folder / MEANING_FILE, {"step": state["step"], **state["meaning"]})
 
 
 def replace_dir(staging, path):

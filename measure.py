@@ -1,7 +1,9 @@
 """Measurements the Trainer takes beside the lesson, so that a reader of the training loop meets only
 the strategy: how many bytes of model state each process really holds against what the ZeRO formulas
-predict, where a step's time goes (--profile), and (for the tests) how many gradient all-reduces DDP
-runs. Each wraps the methods it measures on the one object it measures."""
+predict, where a step's time goes (--profile), and, for the tests, how many gradient all-reduces DDP
+runs and a failure injected at a given step. Each wraps the methods it measures on the one object it
+measures."""
+import itertools
 import os
 
 import torch
@@ -122,11 +124,41 @@ class GradientAllReduceCount:
 
 
 def gradient_allreduce_count(model):
-    """A counter of DDP's gradient all-reduces when COUNT_ALLREDUCES_ENV asks for one, else None."""
+    """A counter of DDP's gradient all-reduces when COUNT_ALLREDUCES_ENV asks for one and `model` is
+    DDP or wraps it (Fabric's module wraps its DDP), else None."""
     from torch.nn.parallel import DistributedDataParallel
-    if os.environ.get(COUNT_ALLREDUCES_ENV) and isinstance(model, DistributedDataParallel):
-        return GradientAllReduceCount(model)
+    ddp = next((module for module in model.modules() if isinstance(module, DistributedDataParallel)), None)
+    if os.environ.get(COUNT_ALLREDUCES_ENV) and ddp is not None:
+        return GradientAllReduceCount(ddp)
     return None
+
+
+# Tests set it to "RANK:STEP" to check that a failing rank ends the whole job.
+FAIL_AT_ENV = "SUITE_FAIL_AT"
+
+
+def parse_fail_at(value):
+    """(rank, step) of a FAIL_AT_ENV value, or (None, None) when it is unset."""
+    if not value:
+        return None, None
+    rank, step = value.split(":")
+    return int(rank), int(step)
+
+
+def inject_failure(strategy, first_step):
+    """When FAIL_AT_ENV names this process's rank, make its strategy.step raise right after that
+    optimizer step, counted as the Trainer counts them: from the checkpoint's step on --resume."""
+    fail_rank, fail_step = parse_fail_at(os.environ.get(FAIL_AT_ENV))
+    if fail_rank != strategy.rank:
+        return
+    strategy_step, steps = strategy.step, itertools.count(first_step + 1)
+
+    def step_then_fail(*args):
+        strategy_step(*args)
+        step = next(steps)
+        if step == fail_step:
+            raise RuntimeError(f"failure injected by {FAIL_AT_ENV} at step {step}")
+    strategy.step = step_then_fail  # on this strategy object only
 
 
 PHASES = ("data loading", "forward", "backward", "optimizer step")

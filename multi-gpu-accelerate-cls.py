@@ -18,6 +18,7 @@ import os
 from datetime import timedelta
 
 import accelerate
+import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 
@@ -55,8 +56,8 @@ class Accelerate(common.Strategy):
         return self.accelerator.reduce(tensor, "mean")
 
     def gather(self, tensor):
-        # The Trainer gathers once, after the dev loop, and drops the repeats of weight 0 that even
-        # out the processes' last batches.
+        # The Trainer gathers once, after the dev loop, and drops the repeats of weight 0. Not
+        # gather_for_metrics: it drops repeats only inside the loop of a loader Accelerate prepared.
         return self.accelerator.gather(tensor)
 
     def broadcast_object(self, value):
@@ -68,13 +69,26 @@ class Accelerate(common.Strategy):
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)
 
-    def extra_state(self):
-        # fp16's gradient scaler lives in the Accelerator (GPUs only); bf16 and fp32 have none.
-        return {"scaler": self.accelerator.scaler.state_dict()} if self.accelerator.scaler else {}
+    def save_model(self, model, tokenizer, path):
+        # get_state_dict gathers the weights however Accelerate wrapped the model (FSDP, ZeRO-3: every
+        # process must call it). accelerator.save_model would write them alone, in place: save_pretrained
+        # adds the config and tokenizer predict.py and pipeline() need, in a folder swapped in whole.
+        state = self.accelerator.get_state_dict(model)
+        if self.is_main:
+            common.save_model(self.unwrap(model), tokenizer, path, state_dict=state)
 
-    def load_extra_state(self, state):
-        if "scaler" in state:
-            self.accelerator.scaler.load_state_dict(state["scaler"])
+    def save_state(self, model, optimizer, path, state):
+        # --save-steps: save_state writes the model, the optimizer, fp16's gradient scaler and each
+        # process's random states, in place: into a staging folder that rank 0 swaps in, the suite's
+        # state beside, once every process has written its part (save_state itself does not wait).
+        with common.staged_checkpoint(path, state, self.is_main, self.accelerator.wait_for_everyone) as staging:
+            self.accelerator.save_state(staging)
+            self.accelerator.wait_for_everyone()
+
+    def load_state(self, model, optimizer, path):
+        # load_state only logs random states it cannot restore: the Trainer sets the suite's copy after.
+        self.accelerator.load_state(path)
+        return torch.load(path / common.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
 
     def versions(self):
         return {"accelerate": accelerate.__version__}
@@ -112,13 +126,11 @@ def main():
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
 
-        # 3. The loaders are sharded as in the DDP script, by this process's index, not by prepare().
-        #    prepare() would deal each process every N-th batch of one loader, and so that every
-        #    process gets as many batches as the others it fills a short last global batch with
-        #    samples from the start of the epoch (even_batches=True, its default): those train twice.
-        #    With even_batches=False the processes get different numbers of batches, and the one
-        #    with more waits forever in the gradient all-reduce. Our sampler evens them out with
-        #    repeats that weigh nothing.
+        # 3. The loaders are sharded as in the DDP script, by this process's index, not by prepare():
+        #    to give every process as many batches, prepare() fills a short last global batch with
+        #    samples from the start of the epoch, which train twice (even_batches=True); with
+        #    even_batches=False the process with more batches waits forever in the all-reduce. Our
+        #    sampler evens them out with repeats that weigh nothing.
         train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(
             train_set, args, accelerator.num_processes, accelerator.process_index))
         dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(

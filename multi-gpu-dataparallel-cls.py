@@ -56,8 +56,13 @@ def main():
 
     # 1. One process for all the GPUs: the first GPU named holds the model, receives every batch and
     #    the gathered outputs, and runs the optimizer. Other processes on the machine may use the rest.
+    #    Make it the current GPU before anything uses CUDA: pinned memory, the default stream and
+    #    the GPU random state a checkpoint saves follow the current GPU, else GPU 0, which
+    #    --gpu-ids 2,3 leaves to others.
     gpu_ids = choose_gpus(args)
     device = torch.device("cuda", gpu_ids[0]) if gpu_ids else torch.device("cpu")
+    if gpu_ids:
+        torch.cuda.set_device(device)
     strategy = DataParallelStrategy(device)
 
     train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
@@ -65,9 +70,11 @@ def main():
     # 2. Each forward pass splits the batch over the GPUs (--batch-size is the whole batch: pass
     #    32 x GPUs to give each GPU what DDP gives each process), runs a copy of the model on each and
     #    gathers the logits on the first GPU.
-    # 3. The Trainer computes the loss from those gathered logits, outside the model: one mean over the
-    #    whole batch. A model that computed its own loss would return one loss per GPU, and averaging
-    #    them (as the reference tutorial does) weighs a GPU with a short last split like a full one.
+    # 3. The Trainer gives the model no labels, so the copies compute no loss of their own (given
+    #    labels, each would return its split's mean, one loss per GPU). It computes one loss from the
+    #    gathered logits, a mean over the whole batch, as the reference tutorial does; backward runs
+    #    through the gather back into each copy, and DataParallel sums the copies' gradients into the
+    #    first GPU's weights.
     if gpu_ids:
         model = DataParallel(model, device_ids=gpu_ids)
 

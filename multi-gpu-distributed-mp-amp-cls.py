@@ -131,10 +131,11 @@ def check_launch(args):
                                "or leave it out to get a free one")
     # AMP 3. fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, many times
     #        slower than fp32, and only some compute bf16 natively (the Trainer says when it is
-    #        emulated). Refuse what the device cannot run before any process starts.
+    #        emulated). Refuse what a process's device cannot run before any process starts.
     if args.precision is None:
         args.precision = "fp16" if gpus else "bf16"
-    common.check_precision(args.precision, common.resolve_device(args.device))
+    for local_rank in range(args.nprocs):
+        common.check_precision(args.precision, common.resolve_device(args.device, local_rank))
 
 
 def free_port():

@@ -20,7 +20,6 @@ processes over gloo.
 """
 import importlib.util
 import os
-import shutil
 import warnings
 from datetime import timedelta
 
@@ -117,18 +116,10 @@ class FabricStrategy(common.Strategy):
 
     def save_state(self, model, optimizer, path, state):
         # --save-steps: fabric.save writes what the strategy needs (DDP: one file from rank 0; FSDP2:
-        # every process its shards; DeepSpeed: its own checkpoint). Into a staging folder that rank 0
-        # swaps in once all of it is there: an interrupted save leaves the previous checkpoint whole.
-        staging = path.with_name(f".{path.name}.staging")
-        if self.is_main:
-            shutil.rmtree(staging, ignore_errors=True)
-        self.fabric.barrier()
-        self.fabric.save(staging / "fabric", {"model": model, "optimizer": optimizer})  # ends with a barrier
-        if self.is_main:
-            torch.save(state, staging / common.CHECKPOINT_FILE)
-            common.write_json(staging / common.MEANING_FILE, {"step": state["step"], **state["meaning"]})
-            common.replace_dir(staging, path)
-        self.fabric.barrier()
+        # every process its shards; DeepSpeed: its own checkpoint), and ends with a barrier. Into a
+        # staging folder that rank 0 swaps in once all of it is there.
+        with common.staged_checkpoint(path, state, self.is_main, self.fabric.barrier) as staging:
+            self.fabric.save(staging / "fabric", {"model": model, "optimizer": optimizer})
 
     def load_state(self, model, optimizer, path):
         self.fabric.load(path / "fabric", {"model": model, "optimizer": optimizer}, weights_only=True)

@@ -18,7 +18,6 @@ processes that talk over gloo.
 """
 import argparse
 import contextlib
-import shutil
 from datetime import timedelta
 
 import torch
@@ -71,18 +70,10 @@ class FSDP2(common.TorchDistributed):
     def save_state(self, model, optimizer, path, state):
         # --save-steps: every process writes its own shards with torch.distributed.checkpoint (no
         # gather of the whole model). It writes in place, so into a staging folder that rank 0 swaps
-        # in once every shard is there: an interrupted save leaves the previous checkpoint whole.
-        staging = path.with_name(f".{path.name}.staging")
-        if self.is_main:
-            shutil.rmtree(staging, ignore_errors=True)
-        dist.barrier()
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
-        if self.is_main:  # dcp.save returns once every shard and the index are written
-            torch.save(state, staging / common.CHECKPOINT_FILE)
-            common.write_json(staging / common.MEANING_FILE, {"step": state["step"], **state["meaning"]})
-            common.replace_dir(staging, path)
-        dist.barrier()
+        # in once every shard is there (dcp.save returns once all of them and the index are written).
+        with common.staged_checkpoint(path, state, self.is_main, dist.barrier) as staging:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
 
     def load_state(self, model, optimizer, path):
         model_state, optimizer_state = get_state_dict(model, optimizer)

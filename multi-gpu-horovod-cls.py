@@ -104,10 +104,12 @@ def main():
                                          compression=compression, op=hvd.Average,
                                          backward_passes_per_step=args.grad_accum)
 
-    # 5. Give every process rank 0's optimizer settings and state (the state once there is one, e.g.
-    #    loaded from a checkpoint). Not with hvd.broadcast_optimizer_state: on a fresh optimizer it first
-    #    runs a step on zero gradients, which for AdamW decays the weights once and makes the first real
-    #    update about a quarter smaller.
+    # 5. Give every process rank 0's optimizer. Fresh, it holds only its settings (learning rate,
+    #    betas, weight decay), which every process has built alike from the command line: as in step
+    #    2, the broadcast makes it certain. (--resume then has every process load the same checkpoint
+    #    file, weights and Adam moments, after checking that each one can read it.) Not with
+    #    hvd.broadcast_optimizer_state: on a fresh optimizer it first runs a step on zero gradients,
+    #    which for AdamW decays the weights once and makes the first real update about a quarter smaller.
     optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
 
     trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)

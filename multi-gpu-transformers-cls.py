@@ -262,7 +262,7 @@ def main():
         # The suite's own Trainer, used only for what every script reports the same way: the thread
         # policy, result.json and the printed lines.
         suite = common.Trainer(args, strategy, model, None, tokenizer, train_loader, dev_loader, model_name, lr)
-        print_start(suite)
+        suite.log_start()
 
         # 5. The Trainer does what the DDP script writes by hand or takes from common.Trainer: moves
         #    the model to the device and wraps it in DistributedDataParallel (or hands it to
@@ -359,17 +359,6 @@ def join_group_on_cpu(args, deepspeed):
     del os.environ["ACCELERATE_USE_DEEPSPEED"]
 
 
-def print_start(suite):
-    """The first lines every script prints (common.Trainer.fit)."""
-    strategy = suite.strategy
-    suite.log(f"model: {suite.model_name} | learning rate: {suite.lr:g} | processes: {strategy.world_size} | "
-              f"global batch: {suite.global_batch_size} | train samples: {len(suite.train_loader.dataset)} | "
-              f"dev samples: {len(suite.dev_loader.dataset)} | threads per process: {suite.threads}")
-    if not suite.native_precision:
-        suite.log(f"note: this {strategy.device.type} has no native {strategy.precision}: torch emulates it, "
-                  f"slower than fp32 here (where the hardware has it, mixed precision is faster)")
-
-
 def write_result(suite, measurements, progress, metrics):
     """result.json and the printed report, by the suite's own code (common.Trainer.result and .report)."""
     strategy = suite.strategy
@@ -429,7 +418,7 @@ class Measurements(TrainerCallback):
     def __init__(self, trainer, strategy, train_loader):
         self.trainer, self.strategy = trainer, strategy
         self.global_batch_sizes = train_loader.batch_sampler.global_batch_sizes()
-        self.fail_rank, self.fail_step = common.parse_fail_at(os.environ.get(common.FAIL_AT_ENV))
+        self.fail_rank, self.fail_step = measure.parse_fail_at(os.environ.get(measure.FAIL_AT_ENV))
         self.tokens = torch.zeros(2, dtype=torch.float64)
         self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
         self.model_state = self.allreduces = None
@@ -467,7 +456,7 @@ class Measurements(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
         if state.global_step == self.fail_step and self.strategy.rank == self.fail_rank:
-            raise RuntimeError(f"failure injected by {common.FAIL_AT_ENV} at step {state.global_step}")
+            raise RuntimeError(f"failure injected by {measure.FAIL_AT_ENV} at step {state.global_step}")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in logs:

@@ -1,10 +1,16 @@
-"""multi-gpu-accelerate-cls.py: 2 CPU processes over gloo, under accelerate launch and under torchrun."""
+"""multi-gpu-accelerate-cls.py: 2 CPU processes over gloo, under accelerate launch and under torchrun;
+its checkpoints are Accelerate's save_state, swapped in whole."""
+import importlib.util
+import json
 import math
 
 import pytest
+import torch
+import transformers
 
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, load_weights, read_result, require,
-                      run)
+import common
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_same_weights, load_weights,
+                      predict_dev_accuracy, read_result, require, run)
 
 SCRIPT = "multi-gpu-accelerate-cls.py"
 # --device cpu: the same gloo path on every machine, GPUs or not.
@@ -31,11 +37,12 @@ def assert_accelerate_result(result, launcher, global_batch):
 
 @pytest.fixture(scope="module")
 def shuffled_run(tmp_path_factory):
-    """accelerate launch --multi_gpu, 2 processes, shuffling and length grouping on (the defaults)."""
+    """accelerate launch --multi_gpu, 2 processes, shuffling and length grouping on (the defaults), a
+    checkpoint every 4 steps."""
     require("accelerate")
     output = tmp_path_factory.mktemp("accelerate")
     process = accelerate_launch("--multi_gpu", "--num_processes", "2",
-                                script_options=[*SHUFFLED, "--output-dir", str(output)])
+                                script_options=[*SHUFFLED, "--save-steps", "4", "--output-dir", str(output)])
     return process, output
 
 
@@ -47,8 +54,19 @@ def test_accelerate_launch_shards_the_data_and_logs_once(shuffled_run):
     # 2 epochs of 332 samples in global batches of 64 (5 full, 1 of 12): 12 steps. Unsharded, 22.
     assert result["steps"] == 12 and result["precision"] == "fp32" and result["samples_trained"] == 664
     assert process.stdout.count("【train】 epoch：2/2 step：12/12 loss：") == 1  # only rank 0 logs
+    # The step-8 checkpoint: save_state's files (each process its random states) beside the suite's
+    # state; no staging folder left.
+    assert sorted(p.name for p in output.iterdir()) == ["checkpoint", "model", "result.json"]
+    assert sorted(p.name for p in (output / "checkpoint").iterdir()) == [
+        "meaning.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
+        "training_state.pt"]
+    assert json.loads((output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))["step"] == 8
+    # The inner model, without DDP's "module.": predict.py scores the reported accuracy, transformers'
+    # own pipeline loads it.
     assert not any(key.startswith("module.") for key in load_weights(output / "model"))
-    assert sorted(p.name for p in output.iterdir()) == ["model", "result.json"]
+    assert abs(predict_dev_accuracy(output) - result["dev_accuracy"]) < 1e-9
+    classify = transformers.pipeline("text-classification", model=str(output / "model"), device="cpu")
+    assert classify("今天天气真好")[0]["label"] in common.LABELS
 
 
 def test_accelerate_takes_the_same_shuffled_global_batches_as_ddp(shuffled_run, tmp_path):
@@ -89,3 +107,55 @@ def test_fp16_on_cpu_is_refused_rather_than_run_in_fp32(tmp_path):
                   check=False, timeout=120)
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1].startswith("error: --precision fp16 needs a GPU")
+
+
+def test_an_interrupted_save_keeps_the_previous_checkpoint_which_load_state_restores(tmp_path, monkeypatch):
+    """In this process, alone: save_state writes in place, so a save that fails halfway must leave the
+    last complete checkpoint whole, and load_state bring back its weights and optimizer moments."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    spec = importlib.util.spec_from_file_location("accelerate_script", ROOT / SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    accelerator = Accelerator(cpu=True)
+    try:
+        strategy = script.Accelerate(accelerator, "python", "fp32")
+        layer = torch.nn.Linear(4, 2)
+        model, optimizer = accelerator.prepare(layer, torch.optim.AdamW(layer.parameters(), lr=0.1))
+
+        def train_step():
+            strategy.backward(model(torch.ones(3, 4)).square().sum())
+            strategy.step(model, optimizer)
+
+        def checkpoint(step):
+            state = {"step": step, "meaning": {"world_size": 1}, "random_states": [common.random_states()],
+                     "strategy_state": strategy.extra_state()}
+            strategy.save_state(model, optimizer, tmp_path / "checkpoint", state)
+
+        train_step()
+        checkpoint(1)
+        saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [
+            "meaning.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl", "training_state.pt"]
+        train_step()
+
+        def fails_halfway(output_dir):
+            output_dir.mkdir()
+            (output_dir / "model.safetensors").write_bytes(b"half a file")
+            raise OSError("disk full")
+
+        monkeypatch.setattr(accelerator, "save_state", fails_halfway)
+        with pytest.raises(OSError, match="disk full"):
+            checkpoint(2)
+        assert strategy.checkpoint_meaning(tmp_path / "checkpoint")["step"] == 1
+        assert strategy.load_state(model, optimizer, tmp_path / "checkpoint")["step"] == 1
+        assert all(torch.equal(tensor, saved[name]) for name, tensor in model.state_dict().items())
+        assert optimizer.state_dict()["state"][0]["step"].item() == 1
+        # The next save clears what the failed one left in the staging folder.
+        monkeypatch.undo()
+        checkpoint(2)
+        assert strategy.checkpoint_meaning(tmp_path / "checkpoint")["step"] == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    finally:
+        accelerator.end_training()
+        AcceleratorState._reset_state(reset_partial_state=True)

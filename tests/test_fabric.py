@@ -8,6 +8,7 @@ import time
 import pytest
 import transformers
 
+import measure
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
                       free_port, load_weights, predict_dev_accuracy, read_result, require, run, single_run,
                       small_split, untrained_dev_loss)
@@ -42,7 +43,7 @@ def test_fabric_run_learns_counts_each_dev_sample_once_and_ends_with_the_single_
     require("click")  # fabric run's command line, which lightning-fabric does not declare
     process = run([BIN / "fabric", "run", "--accelerator", "cpu", "--devices", "2", "--main-port", free_port(),
                    SCRIPT, *CPU, *EXACT, "--batch-size", "8", "--grad-accum", "2", "--save-steps", "4",
-                   "--output-dir", str(tmp_path)], timeout=600)
+                   "--output-dir", str(tmp_path)], env={measure.COUNT_ALLREDUCES_ENV: "1"}, timeout=600)
     assert "fabric: DDPStrategy, 2 process(es), cpu, precision 32-true" in process.stdout
     result = read_result(tmp_path)
     assert result["strategy"] == "fabric" and result["launcher"] == "fabric run" and result["fabric_strategy"] == "ddp"
@@ -50,6 +51,7 @@ def test_fabric_run_learns_counts_each_dev_sample_once_and_ends_with_the_single_
     assert result["dev_samples"] == DEV_SAMPLES  # each dev sample counted once, not once per process
     assert result["samples_trained"] == 332 and result["steps"] == 11 and result["versions"]["lightning_fabric"]
     assert process.stdout.count("【train】 epoch：1/1 step：11/11 loss：") == 1  # only rank 0 logs
+    assert result["gradient_allreduces"] >= 11  # counted on the DDP inside Fabric's wrapper
     assert result["dev_loss"] < untrained_dev_loss() - 0.03
     assert_same_weights(single_reference / "model", tmp_path / "model")
     # The inner model is saved, without Fabric's or DDP's wrapper names: predict.py scores the

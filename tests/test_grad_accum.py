@@ -3,7 +3,6 @@
 epoch with a short step of 12: one micro-batch instead of two, the loss still the mean over its 12."""
 import pytest
 
-import common
 import measure
 from conftest import (BIN, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, require, run)
 
@@ -61,7 +60,7 @@ def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(tmp_p
 def test_a_resumed_accumulating_run_skips_the_micro_batches_of_the_steps_taken(tmp_path, single_reference):
     command = [PYTHON, "single-gpu-cls.py", *ACCUMULATE, "--batch-size", "16", "--save-steps", "4",
                "--output-dir", str(tmp_path)]
-    crashed = run(command, env={common.FAIL_AT_ENV: "0:10"}, check=False)
+    crashed = run(command, env={measure.FAIL_AT_ENV: "0:10"}, check=False)
     assert crashed.returncode != 0
     assert "--resume: continuing from step 8" in run([*command, "--resume"]).stdout
     assert_steps_like_one_device_at_32(tmp_path, single_reference, samples_trained=332 - 8 * 32)

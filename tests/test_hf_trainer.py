@@ -8,6 +8,7 @@ import pytest
 import transformers
 
 import common
+import measure
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
                       free_port, predict_dev_accuracy, read_result, require, run, single_run, untrained_dev_loss)
 
@@ -80,7 +81,7 @@ def test_two_shuffled_processes_learn_and_save_a_portable_model(tmp_path):
 
 
 def test_a_failing_rank_ends_the_job(tmp_path):
-    process = torchrun(2, "--output-dir", str(tmp_path), env={common.FAIL_AT_ENV: "1:2"}, check=False)
+    process = torchrun(2, "--output-dir", str(tmp_path), env={measure.FAIL_AT_ENV: "1:2"}, check=False)
     assert process.returncode != 0
     assert "error: rank 1 failed: RuntimeError: failure injected by SUITE_FAIL_AT at step 2" in process.stderr
     assert_no_process_left(str(tmp_path))

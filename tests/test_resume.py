@@ -7,13 +7,14 @@ import subprocess
 import pytest
 
 import common
+import measure
 from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, free_port, read_result, require, run
 
 # Dropout on (the model's 0.1): the random states must come back too. 11 steps per epoch, 22 in all;
 # a checkpoint every 4 steps and a crash at step 10: the resumed run continues from step 8, in epoch 1,
 # and crosses into epoch 2.
 RESUME = [*SMALL, "--epochs", "2", "--save-steps", "4"]
-CRASH = {common.FAIL_AT_ENV: "0:10"}
+CRASH = {measure.FAIL_AT_ENV: "0:10"}
 
 
 LAUNCH = {
