@@ -4,20 +4,37 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-BIN = Path(PYTHON).parent
+
+
+def launcher_dir():
+    """Where this Python's launchers (torchrun, accelerate, deepspeed, ...) are: beside it in a venv,
+    elsewhere for a system Python (/usr/local/bin, ~/.local/bin for a user install)."""
+    candidates = [Path(PYTHON).parent, Path(sysconfig.get_path("scripts")),
+                  Path(sysconfig.get_path("scripts", f"{os.name}_user"))]
+    return next((path for path in candidates if (path / "torchrun").exists()), candidates[0])
+
+
+BIN = launcher_dir()
 # A few hundred samples that divide by nothing in sight, as real data does: 332 train (10 batches
 # of 32 and a short one of 12; 10 of 33 and one of 2, which 3 processes cannot share evenly) and
 # 83 dev (uneven over 2 or 3 processes). Sizes that divide evenly hide the bugs that matter.
 SAMPLES, DEV_SAMPLES = 415, 83
-SMALL = ["--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--log-steps", "5"]
+# --device cpu: the regular suite always runs on the CPU, over gloo, GPUs or not. With --device auto a
+# machine with fewer GPUs than a test's 2 or 3 processes fails ("local rank 1 has no GPU"), and one with
+# enough would test NCCL instead of the path the tests check. tests/test_gpu.py runs on the GPUs.
+SMALL = ["--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--log-steps", "5",
+         "--device", "cpu"]
+# benchmark.py has no --device: it reads the GPUs torch sees to pick --nprocs, DataParallel's --gpu-ids
+# and fabric run's --accelerator. Hiding them keeps the runner and every script it starts on the CPU.
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 # Equivalence runs: shuffling and dropout off, so that only the strategy can make a difference.
 EXACT = ["--no-shuffle", "--dropout", "0"]
 
@@ -102,6 +119,7 @@ def predict_dev_accuracy(output_dir):
 
 def processes_mentioning(marker):
     """The running processes whose command line mentions `marker` (a test's own output folder)."""
+    import psutil  # here, not at the top: tests/test_gpu.py must load where psutil is missing
     found = []
     for process in psutil.process_iter(["cmdline"]):
         try:

@@ -10,7 +10,7 @@ def test_allreduce_benchmark(tmp_path):
     import common
     output = tmp_path / "allreduce.json"
     run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "benchmarks/allreduce.py",
-         "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2",
+         "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
          "--sizes", "4K,1M", "--iters", "3", "--warmup", "1", "--json", str(output)], timeout=120)
     result = json.loads(output.read_text(encoding="utf-8"))
     assert result["world_size"] == 2 and result["backend"] == "gloo"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import PYTHON, SAMPLES, read_result, require, run
+from conftest import CPU_ONLY, PYTHON, SAMPLES, read_result, require, run
 
 ROWS = ["single", "ddp", "deepspeed-zero1", "deepspeed-zero2", "zero3-sharded-all", "fsdp"]
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
@@ -23,8 +23,8 @@ def report(tmp_path_factory):
     config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
     run([PYTHON, "benchmark.py", "--only", ",".join(ROWS), "--nprocs", "2", "--profile", "3",
          "--variant", f"zero3-sharded-all=deepspeed:--zero-stage 3 --deepspeed-config {config}",
-         "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--output-dir", str(output)],
-        timeout=1200)
+         "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
+         "--output-dir", str(output)], env=CPU_ONLY, timeout=1200)
     return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}
 
 

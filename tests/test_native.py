@@ -8,6 +8,7 @@ import time
 import torch
 
 import common
+import measure
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
                       read_result, run, untrained_dev_loss)
 
@@ -73,9 +74,7 @@ def test_bf16_amp_learns_and_tracks_fp32(tmp_path, single_reference):
 
 
 def test_fp16_amp_is_refused_on_cpu_with_a_clear_message():
-    if torch.cuda.is_available():
-        import pytest
-        pytest.skip("this machine has a GPU: fp16 is valid here")
+    # SMALL's --device cpu: refused on every machine, GPUs or not.
     process = run([PYTHON, "multi-gpu-distributed-mp-amp-cls.py", *SMALL, "--precision", "fp16"], check=False,
                   timeout=120)
     assert process.returncode == 2 and "Traceback" not in process.stderr
@@ -83,9 +82,7 @@ def test_fp16_amp_is_refused_on_cpu_with_a_clear_message():
 
 
 def test_dataparallel_without_gpus_runs_one_cpu_process(tmp_path, single_reference):
-    if torch.cuda.is_available():
-        import pytest
-        pytest.skip("this machine has a GPU: DataParallel uses it")
+    # SMALL's --device cpu leaves DataParallel no GPU on every machine: --gpu-ids is then ignored.
     process = run([PYTHON, "multi-gpu-dataparallel-cls.py", *SMALL, *EXACT,
                    "--gpu-ids", "0,1", "--output-dir", str(tmp_path)])
     assert "DataParallel needs GPUs" in process.stderr
@@ -117,7 +114,7 @@ def test_two_nodes_report_and_save_once(tmp_path):
 
 def assert_failure_names_rank_1(command, tmp_path):
     start = time.monotonic()
-    process = run([*command, *SMALL, "--output-dir", str(tmp_path)], env={common.FAIL_AT_ENV: "1:3"},
+    process = run([*command, *SMALL, "--output-dir", str(tmp_path)], env={measure.FAIL_AT_ENV: "1:3"},
                   check=False, timeout=300)
     assert process.returncode != 0
     assert time.monotonic() - start < 120, "the job took too long to stop after rank 1 failed"

@@ -38,7 +38,7 @@ LAUNCH = {
 
 def start_long_run(launch, output_dir):
     command = [*LAUNCH[launch](), "--model", "tiny", "--max-samples", "8000", "--log-steps", "2",
-               "--no-group-by-length", "--output-dir", str(output_dir)]
+               "--no-group-by-length", "--device", "cpu", "--output-dir", str(output_dir)]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 
