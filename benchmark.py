@@ -265,7 +265,7 @@ def parse_args(argv=None):
                         help="where the table, chart, logs and each run's files go (default: output/benchmark)")
     parser.add_argument("--publish", action="store_true",
                         help="also copy the table, JSON and chart to docs/results/<machine>/ and put the table "
-                             "in the README")
+                             "on docs/benchmark.md")
     args, passthrough = parser.parse_known_args(argv)
     return check_args(args, passthrough)
 
@@ -840,7 +840,7 @@ def markdown_table(columns, rows):
 
 
 def markdown_body(report):
-    """The report without its title: what the README publishes verbatim."""
+    """The report without its title: what docs/benchmark.md publishes verbatim."""
     rows, repeat = report["rows"], report["repeat"]
     text = [f"- {line}" for line in header_lines(report)] + [""]
     text += markdown_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows]) + ["", LEGEND, ""]
@@ -1011,25 +1011,28 @@ README_BLOCK = re.compile(r"(<!-- results: (?P<path>\S+) -->\n)(?P<body>.*?)(<!-
 
 
 def published_tables(readme_text):
-    """{path of a published benchmark.md: the text the README shows for it}."""
+    """{path of a published benchmark.md: the text a page shows for it}."""
     return {match["path"]: match["body"] for match in README_BLOCK.finditer(readme_text)}
 
 
+PUBLISHED_PAGE = ROOT / "docs" / "benchmark.md"
+
+
 def publish(report, output_dir):
-    """Copy the run to docs/results/<machine>/ and show its table in the README, verbatim."""
+    """Copy the run to docs/results/<machine>/ and show its table on docs/benchmark.md, verbatim."""
     target = RESULTS_DIR / machine_slug(report["machine"])
     target.mkdir(parents=True, exist_ok=True)
     for name in ("benchmark.md", "benchmark.json", "benchmark.png"):
         shutil.copyfile(output_dir / name, target / name)
-    readme = ROOT / "README.md"
+    readme = PUBLISHED_PAGE
     path = relative(target / "benchmark.md")
     body = markdown_body(report)
     text = readme.read_text(encoding="utf-8")
     if path in published_tables(text):
         text = README_BLOCK.sub(lambda m: m.group(1) + body + m.group(4) if m["path"] == path else m.group(0), text)
         write_text(readme, text)
-        return f"{relative(target)}/ and its table in README.md"
-    return f"{relative(target)}/ (add <!-- results: {path} --> ... <!-- end results --> to README.md to show it)"
+        return f"{relative(target)}/ and its table in {relative(readme)}"
+    return f"{relative(target)}/ (add <!-- results: {path} --> ... <!-- end results --> to {relative(readme)} to show it)"
 
 
 # ----------------------------------------------------------------------------- main

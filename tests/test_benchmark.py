@@ -8,9 +8,11 @@ import pytest
 
 import benchmark
 import common
-from conftest import DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, require, run
+from conftest import CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, require, run
 
-DATA = ["--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2"]
+# --device cpu goes through to every script; CPU_ONLY keeps the runner's own choices (process count,
+# launcher options) on the CPU too, as on a machine without GPUs.
+DATA = ["--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu"]
 # result.json key for each number of a benchmark.json row
 SAME_AS_RESULT = {"processes": "world_size", "device": "device", "precision": "precision",
                   "precision_native": "precision_native", "threads_per_process": "threads_per_process",
@@ -31,7 +33,7 @@ def table_line(text, name):
 def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_process_run(tmp_path):
     """single, and ddp at 1 and 3 processes, twice each: 6 launches."""
     process = run([PYTHON, "benchmark.py", "--only", "single,ddp", "--nprocs", "1,3", "--repeat", "2", *DATA,
-                   "--output-dir", str(tmp_path)], timeout=1200)
+                   "--output-dir", str(tmp_path)], env=CPU_ONLY, timeout=1200)
     report = load_report(tmp_path)
     assert report["all_succeeded"] is True and report["model"] == "tiny" and report["counts"] == [1, 3]
     rows = {row["row"]: row for row in report["rows"]}
@@ -80,7 +82,7 @@ def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy
     # --offload is a DeepSpeed option: single-gpu-cls.py would refuse it, had it leaked there.
     process = run([PYTHON, "benchmark.py", "--only", "single,deepspeed-zero2,deepspeed-zero3", "--nprocs", "2",
                    "--strategy-args", "deepspeed=--offload none", *DATA, "--output-dir", str(tmp_path)],
-                  timeout=1200)
+                  env=CPU_ONLY, timeout=1200)
     rows = {row["row"]: row for row in load_report(tmp_path)["rows"]}
     assert [row["status"] for row in rows.values()] == ["ok"] * 3, process.stdout
     assert "--offload" not in rows["single"]["command"]
@@ -100,7 +102,7 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (tmp_path / "ddp" / "result.json").write_text('{"train_seconds": 1.0}', encoding="utf-8")
     # Rank 1 exists only in the 2-process DDP run: the single-device run is untouched.
     process = run([PYTHON, "benchmark.py", "--only", "single,ddp", *DATA, "--output-dir", str(tmp_path)],
-                  env={"SUITE_FAIL_AT": "1:2"}, check=False, timeout=900)
+                  env={**CPU_ONLY, "SUITE_FAIL_AT": "1:2"}, check=False, timeout=900)
 
     assert process.returncode == 1, process.stdout + process.stderr
     assert "not all rows succeeded: ddp" in process.stderr
@@ -129,7 +131,8 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--strategy-args", "zero=--zero-stage 3"], "error: --strategy-args 'zero=--zero-stage 3': write STRATEGY="),
 ])
 def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
-    process = run([PYTHON, "benchmark.py", *options, "--output-dir", str(tmp_path)], check=False, timeout=120)
+    process = run([PYTHON, "benchmark.py", *options, "--output-dir", str(tmp_path)], env=CPU_ONLY, check=False,
+                  timeout=120)
     assert process.returncode == 2 and process.stderr.startswith(message), process.stderr
     assert "Traceback" not in process.stderr and not list(tmp_path.iterdir())
 
@@ -232,13 +235,13 @@ def test_missing_script_or_dependency_is_a_reason_not_a_crash(tmp_path):
     assert benchmark.failure_reason(log) == "ValueError: bad"
 
 
-def test_the_readme_shows_the_committed_benchmark_verbatim():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    published = benchmark.published_tables(readme)
-    assert published, "the README shows no committed benchmark run"
+def test_the_benchmark_page_shows_the_committed_benchmark_verbatim():
+    page = benchmark.PUBLISHED_PAGE.read_text(encoding="utf-8")
+    published = benchmark.published_tables(page)
+    assert published, "docs/benchmark.md shows no committed benchmark run"
     for path, shown in published.items():
         committed = (ROOT / path).read_text(encoding="utf-8")
-        assert committed == "# Benchmark\n\n" + shown, f"README.md differs from {path}: run benchmark.py --publish"
+        assert committed == "# Benchmark\n\n" + shown, f"docs/benchmark.md differs from {path}: run benchmark.py --publish"
         folder = (ROOT / path).parent
         assert (folder / "benchmark.json").is_file() and (folder / "benchmark.png").is_file()
         assert json.loads((folder / "benchmark.json").read_text(encoding="utf-8"))["repeat"] >= 3
