@@ -430,9 +430,11 @@ def eval_sampler(dataset, args, num_replicas=1, rank=0):
 
 def make_loader(dataset, args, tokenizer, batch_sampler):
     # A generator of its own: each epoch's iterator draws a seed from it, not from torch's global
-    # generator, so the dropout masks after a --resume are those of the uninterrupted run.
+    # generator, so the dropout masks after a --resume are those of the uninterrupted run. Pinned
+    # memory only for GPU processes: pinning opens a CUDA context, on GPU 0, even in a --device cpu run.
+    pin_memory = args.device != "cpu" and torch.cuda.is_available()
     return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=PadToLongest(tokenizer.pad_token_id),
-                      num_workers=args.num_workers, pin_memory=torch.cuda.is_available(),
+                      num_workers=args.num_workers, pin_memory=pin_memory,
                       generator=torch.Generator().manual_seed(args.seed))
 
 

@@ -184,6 +184,6 @@ def test_fsdp2_in_bf16_learns(tmp_path):
     run([*torchrun(PROCESSES, "multi-gpu-fsdp-cls.py"), *GPU, "--precision", "bf16", "--batch-size", "16",
          "--epochs", "2", "--output-dir", str(tmp_path)])
     result = assert_gpu_run(tmp_path, world_size=PROCESSES, precision="bf16")
-    assert result["strategy"] == "fsdp"
+    assert result["strategy"] == "fsdp2"
     assert_learns(result)
     assert (tmp_path / "model" / "model.safetensors").is_file()
