@@ -136,10 +136,15 @@ def build_parser(script_file, description):
     return parser
 
 
-def add_distributed_args(parser):
-    """Options of the scripts that run several processes."""
+def add_distributed_args(parser, backend=False):
+    """Options of the scripts that run several processes; `backend` for those that start the process
+    group themselves."""
     parser.add_argument("--dist-timeout", type=float, default=300,
                         help="seconds a collective call may wait for the other processes before failing")
+    if backend:
+        parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                            help="auto = nccl between GPUs, gloo between CPU processes; gloo also lets more "
+                                 "processes than GPUs share them (to try the GPU path on one GPU)")
 
 
 def add_precision_arg(parser, default="fp32", default_help=None):
@@ -192,16 +197,18 @@ def set_seed(seed):
     torch.manual_seed(seed)
 
 
-def resolve_device(choice, local_rank=0):
-    """`auto` picks this process's GPU when there is one, else the CPU."""
+def resolve_device(choice, local_rank=0, share_gpus=False):
+    """`auto` picks this process's GPU when there is one, else the CPU. With `share_gpus` (gloo),
+    processes beyond the GPU count take turns on the GPUs there are."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but torch sees no CUDA GPU")
     if choice == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
-        raise UserError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
-                        "start at most that many processes per machine", only_this_rank=True)
-    return torch.device("cuda", local_rank)
+    gpus = torch.cuda.device_count()
+    if local_rank >= gpus and not share_gpus:
+        raise UserError(f"local rank {local_rank} has no GPU: this machine has {gpus}; start at most that many "
+                        "processes per machine, or share the GPUs over --backend gloo", only_this_rank=True)
+    return torch.device("cuda", local_rank % gpus)
 
 
 def check_precision(precision, device):
@@ -663,8 +670,12 @@ class TorchDistributed(Strategy):
         return torch.cat(parts)
 
 
-def backend_for(device):
+def backend_for(device, choice="auto"):
     """NCCL between GPUs, Gloo between CPU processes: the only difference between the two paths."""
+    if choice == "nccl" and device.type == "cpu":
+        raise UserError("--backend nccl needs GPUs; CPU processes talk over gloo (--backend auto or gloo)")
+    if choice != "auto":
+        return choice
     return "nccl" if device.type == "cuda" else "gloo"
 
 

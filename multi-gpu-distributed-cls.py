@@ -40,7 +40,7 @@ class DDP(common.TorchDistributed):
 
 def main():
     parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser)
+    common.add_distributed_args(parser, backend=True)
     # 1. The legacy torch.distributed.launch passes --local-rank (older releases --local_rank);
     #    torchrun passes nothing. Both set LOCAL_RANK in the environment, which is what we read;
     #    the flag only tells the result file which launcher ran.
@@ -52,12 +52,12 @@ def main():
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
     rank, world_size, local_rank, local_world_size = common.launch_environment(
         "torchrun --nproc_per_node N multi-gpu-distributed-cls.py")
-    device = common.resolve_device(args.device, local_rank)
+    device = common.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
 
     # 3. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
+    dist.init_process_group(common.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DDP(device, rank, world_size, local_world_size=local_world_size)
         if args.local_rank is not None:

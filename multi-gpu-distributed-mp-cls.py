@@ -45,7 +45,7 @@ class DDP(common.TorchDistributed):
 
 def main():
     parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser)
+    common.add_distributed_args(parser, backend=True)
     # 1. The options torchrun took, now the script's own.
     parser.add_argument("--nprocs", type=int, help="processes on this machine; None = one per GPU, or 2 on CPU")
     parser.add_argument("--nnodes", type=int, default=1, help="machines taking part")
@@ -81,8 +81,9 @@ def check_launch(args):
         args.nprocs = gpus or 2
     if args.nprocs < 1 or args.nnodes < 1:
         raise common.UserError("--nprocs and --nnodes must be at least 1")
-    if gpus and args.nprocs > gpus:
-        raise common.UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs")
+    if gpus and args.nprocs > gpus and args.backend != "gloo":
+        raise common.UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
+                               "--backend gloo lets them share the GPUs")
     if not 0 <= args.node_rank < args.nnodes:
         raise common.UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
     if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
@@ -138,12 +139,12 @@ def worker(local_rank, args, first_failure):
 def train(args, rank, local_rank, first_failure):
     common.set_seed(args.seed)
     world_size = args.nnodes * args.nprocs
-    device = common.resolve_device(args.device, local_rank)
+    device = common.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
 
     # 4. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
+    dist.init_process_group(common.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DDP(device, rank, world_size, local_world_size=args.nprocs)
 

@@ -108,3 +108,26 @@ def test_a_launcher_without_local_rank_gets_one_line(script):
     """Some srun/mpirun wrappers set RANK and WORLD_SIZE but not the local ones."""
     process = run([PYTHON, script, *SMALL], env={"RANK": "0", "WORLD_SIZE": "1"}, check=False, timeout=120)
     assert_clean_error(process, "not LOCAL_RANK and LOCAL_WORLD_SIZE")
+
+
+def test_nccl_asked_for_between_cpu_processes_gets_one_line():
+    environment = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    process = run([PYTHON, "multi-gpu-distributed-cls.py", *SMALL, "--backend", "nccl"], env=environment,
+                  check=False, timeout=120)
+    assert_clean_error(process, "--backend nccl needs GPUs")
+
+
+def test_more_processes_than_gpus_share_them_only_over_gloo(monkeypatch):
+    """Checked in this process, with torch told it sees 2 GPUs: local rank 2 has none of its own."""
+    import torch
+    import common
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert common.resolve_device("auto", 1) == torch.device("cuda", 1)
+    with pytest.raises(common.UserError, match="local rank 2 has no GPU.*--backend gloo"):
+        common.resolve_device("auto", 2)
+    assert common.resolve_device("auto", 2, share_gpus=True) == torch.device("cuda", 0)
+    assert common.resolve_device("auto", 3, share_gpus=True) == torch.device("cuda", 1)
+    assert common.resolve_device("cpu", 3) == torch.device("cpu")
+    assert common.backend_for(torch.device("cuda", 0)) == "nccl"
+    assert common.backend_for(torch.device("cuda", 0), "gloo") == "gloo"

@@ -97,11 +97,6 @@ def test_nccl_ddp_on_two_gpus_equals_one_gpu_at_the_same_global_batch(tmp_path, 
 @needs(1)
 def test_two_processes_sharing_one_gpu_over_gloo_equal_one_gpu(tmp_path, single_gpu):
     """Two DDP processes on GPU 0, talking over gloo (NCCL refuses two ranks on one GPU)."""
-    options = run([PYTHON, "multi-gpu-distributed-cls.py", "--help"], timeout=120).stdout
-    if "--backend" not in options:
-        pytest.skip("the suite cannot put 2 processes on one GPU: common.resolve_device refuses a local rank "
-                    "without a GPU of its own and common.backend_for picks NCCL for every CUDA device; "
-                    "this test runs once the scripts take --backend gloo")
     run([*torchrun(2, "multi-gpu-distributed-cls.py"), *GPU, *EXACT, "--backend", "gloo", "--batch-size", "16",
          "--output-dir", str(tmp_path)], env={"CUDA_VISIBLE_DEVICES": "0"})
     result = assert_gpu_run(tmp_path, world_size=2)
