@@ -321,6 +321,9 @@ def refuse_what_this_machine_cannot_do(args, device, launched, deepspeed_config)
                                "trains plain DDP instead; multi-gpu-fsdp-cls.py runs FSDP2 on CPUs")
     if deepspeed_config is not None and not launched:
         raise common.UserError(f"--deepspeed runs under a launcher: deepspeed --num_gpus N {SCRIPT} or torchrun")
+    if deepspeed_config is not None and device.type == "cpu" and torch.cuda.is_available():
+        raise common.UserError("--deepspeed with --device cpu on a GPU machine: Accelerate would still put each "
+                               "process on a GPU (state.py, set_device); hide the GPUs instead: CUDA_VISIBLE_DEVICES=")
 
 
 def read_deepspeed_config(path):

@@ -5,6 +5,7 @@ import signal
 import sys
 
 import pytest
+import torch
 import transformers
 
 import common
@@ -102,10 +103,19 @@ def test_deepspeed_through_training_arguments_ends_with_the_single_device_weight
 def test_what_the_trainer_cannot_do_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
     """Refused before any process group or model: run in this process, it costs no interpreter start."""
     handler = signal.getsignal(signal.SIGTERM)  # common.run installs its own
+    launched = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     try:
-        for options, message in (
-                (["--fsdp"], "error: --fsdp needs GPUs: with CPU processes Accelerate drops the Trainer's FSDP plugin"),
-                (["--resume"], "error: --resume and --save-steps are not available in multi-gpu-transformers-cls.py")):
+        for options, message, gpu_machine in (
+                (["--fsdp"], "error: --fsdp needs GPUs: with CPU processes Accelerate drops the Trainer's FSDP plugin",
+                 False),
+                (["--resume"], "error: --resume and --save-steps are not available in multi-gpu-transformers-cls.py",
+                 False),
+                (["--deepspeed", "configs/deepspeed/zero2.json"],
+                 "error: --deepspeed with --device cpu on a GPU machine: Accelerate would still put each process", True)):
+            if gpu_machine:  # a launched process that torch tells there is a GPU
+                monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+                for name, value in launched.items():
+                    monkeypatch.setenv(name, value)
             monkeypatch.setattr(sys, "argv", [SCRIPT, *CPU, *options, "--output-dir", str(tmp_path)])
             with pytest.raises(SystemExit) as exit_:
                 runpy.run_path(str(ROOT / SCRIPT), run_name="__main__")
