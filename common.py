@@ -756,13 +756,15 @@ class Trainer:
         return result
 
     def meaning(self):
-        """What a step of this run means: a checkpoint resumes only into a run where all of it is equal."""
+        """What a step of this run means: a checkpoint resumes only into a run where all of it is equal
+        (the precision too: an fp16 run's checkpoint holds a gradient scaler, DeepSpeed's 16-bit weights)."""
         args, strategy = self.args, self.strategy
         return {"world_size": strategy.world_size, "batch_size_per_process": args.batch_size,
                 "global_batch_size": self.global_batch_size, "gradient_accumulation_steps": args.grad_accum,
                 "data": str(Path(args.data).resolve()),
                 "max_samples": args.max_samples, "dev_ratio": args.dev_ratio, "seed": args.seed,
-                "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length, "model": self.model_name}
+                "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length, "model": self.model_name,
+                "precision": strategy.precision}
 
     def save_checkpoint(self, step):
         state = {"step": step, "meaning": self.meaning(),

@@ -85,6 +85,7 @@ def checkpoint_of_a_crashed_ddp_run(output):
     run([*LAUNCH["ddp"](), *RESUME, "--output-dir", str(output)], env=CRASH, check=False)
     meaning = json.loads((output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))
     assert meaning["step"] == 8 and meaning["world_size"] == 2 and meaning["global_batch_size"] == 32
+    assert meaning["precision"] == "fp32"  # an fp16 checkpoint (a gradient scaler) resumes only into fp16
 
 
 def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_path):
