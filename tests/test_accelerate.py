@@ -14,7 +14,6 @@ from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_same_
 
 SCRIPT = "multi-gpu-accelerate-cls.py"
 # --device cpu: the same gloo path on every machine, GPUs or not.
-CPU = [*SMALL, "--device", "cpu"]
 EQUIVALENCE = [*EXACT, "--batch-size", "16"]
 SHUFFLED = ["--dropout", "0", "--epochs", "2"]
 
@@ -25,7 +24,7 @@ def accelerate_installed():
 
 
 def accelerate_launch(*launch_options, script_options):
-    return run([BIN / "accelerate", "launch", *launch_options, SCRIPT, *CPU, *script_options], timeout=600)
+    return run([BIN / "accelerate", "launch", *launch_options, SCRIPT, *SMALL, *script_options], timeout=600)
 
 
 def assert_accelerate_result(result, launcher, global_batch):
@@ -73,7 +72,7 @@ def test_accelerate_takes_the_same_shuffled_global_batches_as_ddp(shuffled_run, 
     """Each step trains on the same 64 samples as DDP's, in each epoch's new order, with the short
     last batch trained once: the same weights."""
     _, output = shuffled_run
-    run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", "multi-gpu-distributed-cls.py", *CPU,
+    run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", "multi-gpu-distributed-cls.py", *SMALL,
          *SHUFFLED, "--output-dir", str(tmp_path)], timeout=600)
     assert_same_weights(tmp_path / "model", output / "model")
 
@@ -89,7 +88,7 @@ def test_config_file_launch_equals_one_device_at_the_same_global_batch(tmp_path,
 
 
 def test_bf16_under_torchrun_trains_like_fp32(tmp_path, single_reference):
-    run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", SCRIPT, *CPU, *EQUIVALENCE,
+    run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", SCRIPT, *SMALL, *EQUIVALENCE,
          "--precision", "bf16", "--output-dir", str(tmp_path)], timeout=600)
     result = read_result(tmp_path)
     assert_accelerate_result(result, "torchrun", global_batch=32)
@@ -103,7 +102,7 @@ def test_bf16_under_torchrun_trains_like_fp32(tmp_path, single_reference):
 
 
 def test_fp16_on_cpu_is_refused_rather_than_run_in_fp32(tmp_path):
-    process = run([PYTHON, SCRIPT, *CPU, "--precision", "fp16", "--output-dir", str(tmp_path)],
+    process = run([PYTHON, SCRIPT, *SMALL, "--precision", "fp16", "--output-dir", str(tmp_path)],
                   check=False, timeout=120)
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1].startswith("error: --precision fp16 needs a GPU")

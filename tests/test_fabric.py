@@ -15,7 +15,6 @@ from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_pr
 
 SCRIPT = "multi-gpu-fabric-cls.py"
 # --device cpu: the same gloo path on every machine, GPUs or not.
-CPU = [*SMALL, "--device", "cpu"]
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +24,7 @@ def fabric_installed():
 
 def torchrun(processes, *options, env=None, check=True):
     # OMP_NUM_THREADS=1, as torchrun sets it: the script's own thread policy decides.
-    return run([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *CPU,
+    return run([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *SMALL,
                 *options], env={"OMP_NUM_THREADS": "1", **(env or {})}, check=check, timeout=600)
 
 
@@ -42,7 +41,7 @@ def test_fabric_run_learns_counts_each_dev_sample_once_and_ends_with_the_single_
     one's all-reduce back) against one device x 32, a checkpoint every 4 steps."""
     require("click")  # fabric run's command line, which lightning-fabric does not declare
     process = run([BIN / "fabric", "run", "--accelerator", "cpu", "--devices", "2", "--main-port", free_port(),
-                   SCRIPT, *CPU, *EXACT, "--batch-size", "8", "--grad-accum", "2", "--save-steps", "4",
+                   SCRIPT, *SMALL, *EXACT, "--batch-size", "8", "--grad-accum", "2", "--save-steps", "4",
                    "--output-dir", str(tmp_path)], env={measure.COUNT_ALLREDUCES_ENV: "1"}, timeout=600)
     assert "fabric: DDPStrategy, 2 process(es), cpu, precision 32-true" in process.stdout
     result = read_result(tmp_path)
@@ -93,7 +92,7 @@ def test_a_failing_rank_ends_the_whole_job_and_is_named(tmp_path):
 
 
 def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
-    process = run([PYTHON, SCRIPT, *CPU, "--fabric-strategy", "deepspeed", "--output-dir", str(tmp_path)],
+    process = run([PYTHON, SCRIPT, *SMALL, "--fabric-strategy", "deepspeed", "--output-dir", str(tmp_path)],
                   check=False, timeout=120)
     assert process.returncode == 2
     assert process.stderr.strip().splitlines() == [

@@ -49,7 +49,7 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     for options, message in ((["--offload"], "error: --offload moves the shards from GPU to CPU memory"),
                              (["--precision", "fp16"], "error: --precision fp16 needs a GPU")):
-        process = run([PYTHON, SCRIPT, *SMALL, "--device", "cpu", *options, "--output-dir", str(tmp_path)],
+        process = run([PYTHON, SCRIPT, *SMALL, *options, "--output-dir", str(tmp_path)],
                       env=env, check=False, timeout=120)
         assert process.returncode == 2
         assert process.stderr.strip().splitlines() == [process.stderr.strip().splitlines()[-1]]

@@ -14,11 +14,10 @@ from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_pr
                       free_port, predict_dev_accuracy, read_result, require, run, single_run, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-transformers-cls.py"
-CPU = [*SMALL, "--device", "cpu"]
 
 
 def torchrun(processes, *options, env=None, check=True):
-    return run([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *CPU,
+    return run([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *SMALL,
                 *options], env=env, check=check, timeout=600)
 
 
@@ -60,7 +59,7 @@ def test_three_processes_end_with_the_single_device_weights_and_count_each_dev_s
 def test_one_process_ends_with_the_single_device_weights(tmp_path, single_reference):
     """python, no launcher: the Trainer on one device, 2 micro-batches of 16 per step against one
     batch of 32 (its accumulation, and the short last step of one micro-batch of 12)."""
-    run([PYTHON, SCRIPT, *CPU, *EXACT, "--batch-size", "16", "--grad-accum", "2", "--output-dir", str(tmp_path)])
+    run([PYTHON, SCRIPT, *SMALL, *EXACT, "--batch-size", "16", "--grad-accum", "2", "--output-dir", str(tmp_path)])
     result = read_result(tmp_path)
     assert result["launcher"] == "python" and result["world_size"] == 1 and result["steps"] == 11
     assert result["global_batch_size"] == 32 and result["gradient_accumulation_steps"] == 2
@@ -116,7 +115,7 @@ def test_what_the_trainer_cannot_do_is_refused_in_one_line(monkeypatch, capsys, 
                 monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
                 for name, value in launched.items():
                     monkeypatch.setenv(name, value)
-            monkeypatch.setattr(sys, "argv", [SCRIPT, *CPU, *options, "--output-dir", str(tmp_path)])
+            monkeypatch.setattr(sys, "argv", [SCRIPT, *SMALL, *options, "--output-dir", str(tmp_path)])
             with pytest.raises(SystemExit) as exit_:
                 runpy.run_path(str(ROOT / SCRIPT), run_name="__main__")
             stderr = capsys.readouterr().err
