@@ -13,7 +13,6 @@ from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_same_
                       predict_dev_accuracy, read_result, require, run)
 
 SCRIPT = "multi-gpu-accelerate-cls.py"
-# --device cpu: the same gloo path on every machine, GPUs or not.
 EQUIVALENCE = [*EXACT, "--batch-size", "16"]
 SHUFFLED = ["--dropout", "0", "--epochs", "2"]
 

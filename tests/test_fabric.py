@@ -14,7 +14,6 @@ from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_pr
                       small_split, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-fabric-cls.py"
-# --device cpu: the same gloo path on every machine, GPUs or not.
 
 
 @pytest.fixture(autouse=True)
