@@ -1003,7 +1003,9 @@ def write_report(report, output_dir, final):
     add_figures(report)
     common.write_json(output_dir / "benchmark.json", report)
     write_text(output_dir / "benchmark.md", markdown(report))
-    if final:
+    if final and importlib.util.find_spec("matplotlib") is None:
+        print("benchmark.png not drawn: matplotlib is not installed here (pip install -r requirements.txt)")
+    elif final:
         chart(report, output_dir / "benchmark.png")
 
 

@@ -1,6 +1,7 @@
 """benchmark.py: runs rows (strategies and their variants) with their launchers, interleaves repeats,
 sweeps process counts, and reports exactly what each run measured."""
 import argparse
+import importlib.util
 import json
 import re
 
@@ -233,6 +234,16 @@ def test_missing_script_or_dependency_is_a_reason_not_a_crash(tmp_path):
     assert benchmark.failure_reason(log) == "error: rank 1 failed: RuntimeError: boom"
     log.write_text("Traceback (most recent call last):\nValueError: bad\nexit\n", encoding="utf-8")
     assert benchmark.failure_reason(log) == "ValueError: bad"
+
+
+def test_without_matplotlib_the_tables_are_written_and_the_chart_is_left_out(tmp_path, monkeypatch, capsys):
+    """A GPU machine's own Python may lack matplotlib: the runs must not end in a traceback."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "matplotlib" else find_spec(name))
+    committed = json.loads((ROOT / "docs/results/amd-epyc-2-cores/benchmark.json").read_text(encoding="utf-8"))
+    benchmark.write_report(committed, tmp_path, final=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["benchmark.json", "benchmark.md"]
+    assert "benchmark.png not drawn: matplotlib is not installed" in capsys.readouterr().out
 
 
 def test_the_benchmark_page_shows_the_committed_benchmark_verbatim():

@@ -110,7 +110,8 @@ def test_what_the_trainer_cannot_do_is_refused_in_one_line(monkeypatch, capsys, 
                 (["--resume"], "error: --resume and --save-steps are not available in multi-gpu-transformers-cls.py",
                  False),
                 (["--deepspeed", "configs/deepspeed/zero2.json"],
-                 "error: --deepspeed with --device cpu on a GPU machine: Accelerate would still put each process", True)):
+                 "error: --deepspeed with --device cpu on a GPU machine: Accelerate would still put each process",
+                 True)):
             if gpu_machine:  # a launched process that torch tells there is a GPU
                 monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
                 for name, value in launched.items():
