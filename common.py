@@ -137,8 +137,8 @@ def build_parser(script_file, description):
 
 
 def add_distributed_args(parser, backend=False):
-    """Options of the scripts that run several processes; `backend` for those that start the process
-    group themselves."""
+    """Options of the scripts that run several processes; `backend` for the DDP scripts, whose gloo
+    all-reduce works on GPU tensors too."""
     parser.add_argument("--dist-timeout", type=float, default=300,
                         help="seconds a collective call may wait for the other processes before failing")
     if backend:

@@ -104,7 +104,7 @@ def add_fsdp_args(parser):
 
 def main():
     parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser, backend=True)
+    common.add_distributed_args(parser)
     add_fsdp_args(parser)
     args = common.check_args(parser.parse_args())
     common.set_seed(args.seed)
@@ -113,7 +113,7 @@ def main():
     #    process uses.
     rank, world_size, local_rank, local_world_size = common.launch_environment(
         "torchrun --nproc_per_node N multi-gpu-fsdp-cls.py")
-    device = common.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
+    device = common.resolve_device(args.device, local_rank)
     common.check_precision(args.precision, device)
     if args.offload and device.type == "cpu":
         raise common.UserError("--offload moves the shards from GPU to CPU memory: on CPU they are there already")
@@ -122,7 +122,7 @@ def main():
     #    all processes, in one dimension (a 2-D mesh would add replication across machines, HSDP).
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(common.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
+    dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
     try:
         mesh = init_device_mesh(device.type, (world_size,))
         strategy = FSDP2(device, rank, world_size, local_world_size, args.precision, args.reshard_after_forward,
