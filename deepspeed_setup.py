@@ -1,8 +1,10 @@
 """The helpers of multi-gpu-deepspeed-cls.py that are not the lesson: its options, the config merging
-and checks, the optimizer choice, --estimate-memory, and DeepSpeed's config errors in one line."""
+and checks, the optimizer choice, --estimate-memory, DeepSpeed's config errors in one line, and the
+shared memory it leaves behind."""
 import contextlib
 import os
 import warnings
+from pathlib import Path
 
 import pydantic
 import torch
@@ -113,6 +115,14 @@ def config_errors():
     except pydantic.ValidationError as error:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
         raise common.UserError(f"DeepSpeed rejected the config ({error.title}): {problems}") from None
+
+
+def remove_shared_memory_buffer(rank):
+    """DeepSpeed's CPU collectives give each process a 66 MB /dev/shm file that it never unlinks
+    (ops/csrc/cpu/comm/shm.cpp): remove this process's once the group is gone. The others have
+    mapped it since the group started and keep their mappings."""
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}"
+    Path("/dev/shm", f"{name}_{rank}").unlink(missing_ok=True)
 
 
 def estimate_memory(args):

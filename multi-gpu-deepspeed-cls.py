@@ -127,7 +127,7 @@ class DeepSpeed(common.TorchDistributed):
 
 def main():
     parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser, backend=True)
+    common.add_distributed_args(parser)
     deepspeed_setup.add_deepspeed_args(parser)  # --zero-stage, --offload, --precision, --deepspeed-config
     # 1. The deepspeed launcher passes --local_rank=N; it also sets LOCAL_RANK in the environment,
     #    which is what we read.
@@ -142,7 +142,7 @@ def main():
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
     rank, world_size, local_rank, local_world_size = common.launch_environment(
         "deepspeed --num_gpus N multi-gpu-deepspeed-cls.py")
-    device = common.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
+    device = common.resolve_device(args.device, local_rank)
     deepspeed = deepspeed_setup.import_deepspeed(device)  # on the accelerator --device names
 
     # 3. One config drives the engine: the --deepspeed-config file, the flags on top. For
@@ -157,7 +157,7 @@ def main():
     #    init_distributed joins it through deepspeed.comm, the layer the engine communicates with.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    deepspeed.init_distributed(common.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
+    deepspeed.init_distributed(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DeepSpeed(device, rank, world_size, local_world_size, precision, config)
 
@@ -185,6 +185,7 @@ def main():
     finally:
         # 7. Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()
+        deepspeed_setup.remove_shared_memory_buffer(rank)
 
 
 if __name__ == "__main__":
