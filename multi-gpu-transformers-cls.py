@@ -23,14 +23,14 @@ weights of single-gpu-cls.py at 33 (fp32, no shuffling or dropout, tests/test_hf
 with shuffling and dropout on, 2 processes end with the DDP script's weights, bit for bit.
 
 DeepSpeed and FSDP come through TrainingArguments too. DeepSpeed runs on CPU processes as well
-(after join_group_on_cpu), fp32 ending with the single-device weights. FSDP needs GPUs: with CPU
-processes Accelerate (accelerate/state.py, AcceleratorState) turns FSDP on only for GPU-like
-devices, drops the plugin and would train plain DDP while the run says FSDP, so --fsdp on a CPU
-is refused in one line (multi-gpu-fsdp-cls.py runs FSDP2 on CPUs). Also refused, in one line:
+(after join_group_on_cpu), fp32 ending with the single-device weights. FSDP needs GPUs: on CPU
+processes Accelerate (state.py) drops its plugin and would train plain DDP while the run says FSDP,
+so --fsdp on a CPU is refused (multi-gpu-fsdp-cls.py runs FSDP2 on CPUs). Also refused, in one line:
   --resume, --save-steps: the Trainer's checkpoints (checkpoint-N folders, resumed by skipping
       batches) do not carry the suite's meaning checks, atomic folder and sampler position;
   --profile: the suite's phase ranges wrap common.Trainer's own methods, which do not run here;
-  python on a machine with several GPUs: the Trainer would drive them all with DataParallel.
+  python on a machine with several GPUs: the Trainer would drive them all with DataParallel;
+  --deepspeed --device cpu on a GPU machine: Accelerate would still put each process on a GPU.
 """
 import argparse
 import functools
@@ -323,7 +323,7 @@ def refuse_what_this_machine_cannot_do(args, device, launched, deepspeed_config)
         raise common.UserError(f"--deepspeed runs under a launcher: deepspeed --num_gpus N {SCRIPT} or torchrun")
     if deepspeed_config is not None and device.type == "cpu" and torch.cuda.is_available():
         raise common.UserError("--deepspeed with --device cpu on a GPU machine: Accelerate would still put each "
-                               "process on a GPU (state.py, set_device); hide the GPUs instead: CUDA_VISIBLE_DEVICES=")
+                               "process on a GPU; hide the GPUs instead: CUDA_VISIBLE_DEVICES=")
 
 
 def read_deepspeed_config(path):
