@@ -255,4 +255,4 @@ def test_the_benchmark_page_shows_the_committed_benchmark_verbatim():
         assert committed == "# Benchmark\n\n" + shown, f"docs/benchmark.md differs from {path}: run benchmark.py --publish"
         folder = (ROOT / path).parent
         assert (folder / "benchmark.json").is_file() and (folder / "benchmark.png").is_file()
-        assert json.loads((folder / "benchmark.json").read_text(encoding="utf-8"))["repeat"] >= 3
+        assert json.loads((folder / "benchmark.json").read_text(encoding="utf-8"))["repeat"] >= 2  # a noise floor
