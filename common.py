@@ -566,6 +566,12 @@ class Strategy:
     def is_main(self):
         return self.rank == 0
 
+    def gpus(self):
+        """The GPUs whose random generators this process draws from (dropout): its own."""
+        if self.device.type != "cuda":
+            return []
+        return [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+
     def autocast(self):
         return contextlib.nullcontext()
 
@@ -741,11 +747,8 @@ class Trainer:
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
         result = self.result(progress, metrics)
         result["resumed_from_step"] = first_step
-        result["model_state_bytes"] = model_state.bytes
+        result.update(model_state.result_fields(strategy.device, result["peak_memory_mb"]))
         result["model_state_formula_bytes"] = measure.zero_formula(strategy, self.model)
-        if strategy.device.type == "cuda" and model_state.bytes:  # the rest: activations, buffers, workspaces
-            result["peak_memory_beyond_model_state_mb"] = round(
-                result["peak_memory_mb"] - model_state.bytes["total"] / 2**20, 1)
         if allreduces:
             result["gradient_allreduces"] = allreduces.calls
         if profile and strategy.is_main:
@@ -768,7 +771,7 @@ class Trainer:
 
     def save_checkpoint(self, step):
         state = {"step": step, "meaning": self.meaning(),
-                 "random_states": self.strategy.gather_objects(random_states()),
+                 "random_states": self.strategy.gather_objects(random_states(self.strategy.gpus())),
                  "strategy_state": self.strategy.extra_state()}
         self.strategy.save_state(self.model, self.optimizer, self.output_dir / "checkpoint", state)
 
@@ -944,8 +947,12 @@ class Trainer:
                   + f"; the ZeRO formula for stage {formula['zero_stage']} over {formula['processes']} process(es): "
                   + f"{formula['total'] / 2**20:.2f} MB in all (measured {held['total'] / 2**20:.2f} MB)")
         if "peak_memory_beyond_model_state_mb" in result:
-            print(f"peak GPU memory beyond the model state (activations, buffers): "
-                  f"{result['peak_memory_beyond_model_state_mb']:.0f} MB")
+            offloaded = result["model_state_bytes_by_device"].get("cpu", 0)
+            bucket = result.get("reduce_bucket_bytes")
+            print(f"peak GPU memory beyond the model state on the GPU (activations, buffers"
+                  + (f", DeepSpeed's reduce bucket {bucket / 2**20:.0f} MB" if bucket else "")
+                  + f"): {result['peak_memory_beyond_model_state_mb']:.0f} MB"
+                  + (f"; model state offloaded to CPU memory: {offloaded / 2**20:.2f} MB" if offloaded else ""))
         if "profile" in result:
             profile = result["profile"]
             print(f"step anatomy (rank 0, {profile['steps']} steps recorded): {profile['step_ms']:.1f} ms per step = "
@@ -957,14 +964,15 @@ class Trainer:
         print(f"saved: {self.output_dir / 'model'} and {self.output_dir / 'result.json'}")
 
 
-def random_states():
-    """This process's random-number states, as tensors and plain values (loadable with weights_only)."""
+def random_states(gpus=()):
+    """This process's random-number states, those of the `gpus` it draws from included, as tensors and
+    plain values (loadable with weights_only)."""
     version, internal, gauss = random.getstate()
     kind, keys, position, has_gauss, cached = np.random.get_state()
     return {"python": [version, list(internal), gauss],
             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}  # this process's GPU
+            "cuda": {gpu: torch.cuda.get_rng_state(gpu) for gpu in gpus}}
 
 
 def set_random_states(states):
@@ -973,8 +981,8 @@ def set_random_states(states):
     kind, keys, position, has_gauss, cached = states["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     torch.set_rng_state(states["torch"].cpu())
-    if states["cuda"] is not None:
-        torch.cuda.set_rng_state(states["cuda"].cpu())
+    for gpu, state in states["cuda"].items():
+        torch.cuda.set_rng_state(state.cpu(), gpu)
 
 
 def count_tokens(batch):

@@ -18,6 +18,10 @@ warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.dist
 OFFLOAD_KEYS = {"none": [], "optimizer": ["offload_optimizer"],
                 "optimizer+param": ["offload_optimizer", "offload_param"]}
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+# DeepSpeed's default reduce bucket holds 5e8 elements, allocated whole at every backward (with
+# contiguous_gradients): 1.9 GB of fp32 gradients on every GPU, whatever the model. The suite's
+# configs use DDP's bucket instead, 25 MiB of fp32 gradients, so that the two rows compare.
+REDUCE_BUCKET_ELEMENTS = 25 * 2**20 // 4
 
 
 def add_deepspeed_args(parser):
@@ -53,6 +57,7 @@ def build_config(args, device, world_size):
     if args.zero_stage is not None:
         zero["stage"] = args.zero_stage
     zero.setdefault("stage", 2)
+    zero.setdefault("reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)
     if zero["stage"] not in (0, 1, 2, 3):
         raise common.UserError(f"{args.deepspeed_config}: ZeRO stage must be 0, 1, 2 or 3, got {zero['stage']!r}")
     if args.offload is not None:
@@ -87,6 +92,15 @@ def build_config(args, device, world_size):
                                    f"{value}: batch sizes come from --batch-size and --grad-accum")
     config.update(batch)
     return config, precision
+
+
+def reduce_bucket_bytes(config):
+    """The reduce bucket ZeRO (stages 1-3) allocates at every backward, in the weights' precision."""
+    zero = config["zero_optimization"]
+    if zero["stage"] == 0:
+        return 0
+    sixteen_bits = config.get("fp16", {}).get("enabled") or config.get("bf16", {}).get("enabled")
+    return int(zero["reduce_bucket_size"]) * (2 if sixteen_bits else 4)
 
 
 def offload_label(zero):

@@ -24,7 +24,7 @@ class ModelStateCount:
     """
 
     def __init__(self, strategy, model, optimizer):
-        self.model, self.optimizer, self.steps, self.bytes = model, optimizer, 0, None
+        self.model, self.optimizer, self.steps, self.bytes, self.bytes_by_device = model, optimizer, 0, None, None
         engine = getattr(strategy, "engine", None)
         self.zero_optimizer = getattr(engine, "optimizer", None)  # DeepSpeed's
         self.strategy_step = strategy.step
@@ -51,13 +51,27 @@ class ModelStateCount:
                       if isinstance(g, torch.Tensor)]
         if isinstance(getattr(zero, "grad_partitions_flat_buffer", None), torch.Tensor):
             gradients.append(zero.grad_partitions_flat_buffer)
-        seen = set()
+        seen = {}
         held = {"parameters": storage_bytes(parameters, seen),
                 "gradients": storage_bytes(gradients, seen),
                 "optimizer_state": storage_bytes(master_weights + [value for state in optimizer.state.values()
                                                                    for value in state.values()
                                                                    if isinstance(value, torch.Tensor)], seen)}
         self.bytes = {**held, "total": sum(held.values())}
+        self.bytes_by_device = {}  # offloaded state lives in CPU memory, the rest on the GPU
+        for (device_type, _), nbytes in seen.items():
+            self.bytes_by_device[device_type] = self.bytes_by_device.get(device_type, 0) + nbytes
+
+    def result_fields(self, device, peak_memory_mb):
+        """result.json's model-state fields; on a GPU, also what of the GPU's peak is not model state
+        (activations, buffers, workspaces): the peak less the model state held on the GPU only."""
+        if self.bytes is None:
+            return {"model_state_bytes": None}
+        fields = {"model_state_bytes": self.bytes, "model_state_bytes_by_device": self.bytes_by_device}
+        if device.type == "cuda":
+            fields["peak_memory_beyond_model_state_mb"] = round(
+                peak_memory_mb - self.bytes_by_device.get("cuda", 0) / 2**20, 1)
+        return fields
 
 
 def zero_formula(strategy, model):
@@ -90,12 +104,14 @@ def zero_formula(strategy, model):
 
 
 def storage_bytes(tensors, seen):
-    """Bytes of the memory the `tensors` live in, each block counted once (across calls too, by `seen`)."""
+    """Bytes of the memory the `tensors` live in, each block counted once (across calls too: `seen`
+    maps each block, by device type and address, to its bytes)."""
     total = 0
     for tensor in tensors:
         storage = local(tensor).untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
+        block = (storage.device.type, storage.data_ptr())
+        if storage.nbytes() and block not in seen:
+            seen[block] = storage.nbytes()
             total += storage.nbytes()
     return total
 
@@ -219,40 +235,49 @@ class StepProfile:
         """Write the trace; return milliseconds per recorded step by phase (they add up to the
         step), and the communication."""
         self.profiler.export_chrome_trace(str(self.output_dir / "trace.json"))
-        events = list(self.profiler.events())
-        steps = [e for e in events if e.name.startswith("ProfilerStep")]
-        main_thread = steps[0].thread
-        window = union(interval(e) for e in steps)
+        return step_anatomy(list(self.profiler.events()), on_gpu=self.device.type == "cuda")
 
-        def ms_per_step(spans):
-            return round(length(spans) / 1000 / len(steps), 3)
 
-        communication = [e for e in events if is_collective(e.name)]
-        if self.device.type == "cuda":  # compute is the GPU's kernels
-            busy = union(interval(e) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                         and not is_collective(e.name))
-        else:  # the operators this process computes; a collective launched or waited for is not one
-            busy = union(interval(e) for e in events if e.thread == main_thread and e.name.startswith("aten::")
-                         and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::")))
-        communicating = intersect(union(interval(e) for e in communication), window)
-        exposed = subtract(communicating, busy)
-        ranges = {name: union(interval(e) for e in events if e.name == name and e.thread == main_thread)
-                  for name in PHASES}
-        phases = {name: ms_per_step(subtract(ranges[name], exposed)) for name in PHASES}
-        phases["exposed communication"] = ms_per_step(exposed)
-        collectives = {}
-        for name in sorted({e.name for e in communication}):
-            spans = intersect(union(interval(e) for e in communication if e.name == name), window)
-            collectives[name] = {"ms": ms_per_step(spans), "exposed_ms": ms_per_step(subtract(spans, busy)),
-                                 "calls_per_step": sum(e.name == name for e in communication) / len(steps),
-                                 "during": max(PHASES, key=lambda phase: length(intersect(spans, ranges[phase])))}
-        step_ms = ms_per_step(window)
-        return {"steps": len(steps), "step_ms": step_ms, "phases_ms": phases,
-                "unaccounted_ms": round(step_ms - sum(phases.values()), 3),
-                "communication_ms": ms_per_step(communicating),
-                "overlapped_communication_ms": round(ms_per_step(communicating) - phases["exposed communication"], 3),
-                "collectives": collectives,
-                **({"note": HOROVOD_NOTE} if "horovod:synchronize" in collectives else {})}
+def step_anatomy(events, on_gpu):
+    """Milliseconds per recorded step by phase, and the communication, from the profiler's events.
+
+    Steps and phases are the CPU-side ranges: with CUDA activity the profiler also reports a GPU-side
+    copy of every record_function range (same name, device type CUDA, a user annotation), which
+    would count each step twice and, as "busy" time, hide every collective."""
+    cpu_side = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    gpu_work = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    steps = [e for e in cpu_side if e.name.startswith("ProfilerStep")]
+    main_thread = steps[0].thread
+    window = union(interval(e) for e in steps)
+
+    def ms_per_step(spans):
+        return round(length(spans) / 1000 / len(steps), 3)
+
+    communication = [e for e in cpu_side + gpu_work if is_collective(e.name)]
+    if on_gpu:  # compute is the GPU's real work: kernels and copies, not the annotations
+        busy = union(interval(e) for e in gpu_work if not is_collective(e.name))
+    else:  # the operators this process computes; a collective launched or waited for is not one
+        busy = union(interval(e) for e in cpu_side if e.thread == main_thread and e.name.startswith("aten::")
+                     and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::")))
+    communicating = intersect(union(interval(e) for e in communication), window)
+    exposed = subtract(communicating, busy)
+    ranges = {name: union(interval(e) for e in cpu_side if e.name == name and e.thread == main_thread)
+              for name in PHASES}
+    phases = {name: ms_per_step(subtract(ranges[name], exposed)) for name in PHASES}
+    phases["exposed communication"] = ms_per_step(exposed)
+    collectives = {}
+    for name in sorted({e.name for e in communication}):
+        spans = intersect(union(interval(e) for e in communication if e.name == name), window)
+        collectives[name] = {"ms": ms_per_step(spans), "exposed_ms": ms_per_step(subtract(spans, busy)),
+                             "calls_per_step": sum(e.name == name for e in communication) / len(steps),
+                             "during": max(PHASES, key=lambda phase: length(intersect(spans, ranges[phase])))}
+    step_ms = ms_per_step(window)
+    return {"steps": len(steps), "step_ms": step_ms, "phases_ms": phases,
+            "unaccounted_ms": round(step_ms - sum(phases.values()), 3),
+            "communication_ms": ms_per_step(communicating),
+            "overlapped_communication_ms": round(ms_per_step(communicating) - phases["exposed communication"], 3),
+            "collectives": collectives,
+            **({"note": HOROVOD_NOTE} if "horovod:synchronize" in collectives else {})}
 
 
 class TimedLoader:

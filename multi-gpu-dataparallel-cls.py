@@ -21,6 +21,15 @@ import common
 class DataParallelStrategy(common.Strategy):
     name = "dataparallel"
 
+    def __init__(self, device, gpu_ids):
+        super().__init__(device)
+        self.gpu_ids = gpu_ids
+
+    def gpus(self):
+        # The copies on the other GPUs draw their dropout from those GPUs' generators: a checkpoint
+        # saves and --resume restores every one of them, not only the first GPU's.
+        return self.gpu_ids
+
     def unwrap(self, model):
         # Save the inner model: no "module." prefixes in the checkpoint.
         return model.module if isinstance(model, DataParallel) else model
@@ -63,7 +72,7 @@ def main():
     device = torch.device("cuda", gpu_ids[0]) if gpu_ids else torch.device("cpu")
     if gpu_ids:
         torch.cuda.set_device(device)
-    strategy = DataParallelStrategy(device)
+    strategy = DataParallelStrategy(device, gpu_ids)
 
     train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
     model.to(device)

@@ -118,7 +118,8 @@ class DeepSpeed(common.TorchDistributed):
 
     def result_extras(self):
         return {"zero_stage": self.zero_stage, "offload": self.offload,
-                "optimizer_steps": self.engine.global_steps, "deepspeed_config": self.config}
+                "optimizer_steps": self.engine.global_steps, "deepspeed_config": self.config,
+                "reduce_bucket_bytes": deepspeed_setup.reduce_bucket_bytes(self.config)}
 
     def versions(self):
         import deepspeed

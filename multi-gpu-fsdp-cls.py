@@ -102,6 +102,15 @@ def add_fsdp_args(parser):
                         help="keep the weight, gradient and optimizer shards in CPU memory (GPUs only)")
 
 
+def group_backend(device, offload):
+    """NCCL between GPUs, gloo between CPUs. --offload keeps the shards in CPU memory, and some
+    collectives then run on CPU tensors (fp16's gradient scaler all-reduces its overflow flag over
+    the mesh), which NCCL cannot carry: gloo carries those, NCCL the GPU ones."""
+    if offload and device.type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return common.backend_for(device)
+
+
 def main():
     parser = common.build_parser(__file__, __doc__)
     common.add_distributed_args(parser)
@@ -122,7 +131,7 @@ def main():
     #    all processes, in one dimension (a 2-D mesh would add replication across machines, HSDP).
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
+    dist.init_process_group(group_backend(device, args.offload), timeout=timedelta(seconds=args.dist_timeout))
     try:
         mesh = init_device_mesh(device.type, (world_size,))
         strategy = FSDP2(device, rank, world_size, local_world_size, args.precision, args.reshard_after_forward,

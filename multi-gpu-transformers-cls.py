@@ -367,11 +367,11 @@ def write_result(suite, measurements, progress, metrics):
     strategy = suite.strategy
     result = suite.result(progress, metrics)
     result["resumed_from_step"] = 0
-    result["model_state_bytes"] = measurements.model_state.bytes if measurements.model_state else None
+    if measurements.model_state:
+        result.update(measurements.model_state.result_fields(strategy.device, result["peak_memory_mb"]))
+    else:
+        result["model_state_bytes"] = None
     result["model_state_formula_bytes"] = measure.zero_formula(strategy, measurements.trainer.model_wrapped)
-    if strategy.device.type == "cuda" and result["model_state_bytes"]:
-        result["peak_memory_beyond_model_state_mb"] = round(
-            result["peak_memory_mb"] - result["model_state_bytes"]["total"] / 2**20, 1)
     if measurements.allreduces:
         result["gradient_allreduces"] = measurements.allreduces.calls
     if strategy.is_main:

@@ -23,17 +23,38 @@ python_tag=$("$python" -c 'import sys; print(f"cp{sys.version_info.major}{sys.ve
 
 # GPU tensors need NCCL operations compiled in; without them Horovod copies every GPU gradient to
 # the CPU and reduces it there (what made the reference tutorial's Horovod run slow, see README).
+# NCCL's header and library come from HOROVOD_NCCL_HOME, the system (beside the CUDA toolkit or in
+# /usr), or the nvidia-nccl wheel that CUDA builds of torch install; without them the build falls back
+# to CPU operations rather than failing.
+find_nccl() {  # prints the folder holding include/nccl.h, or nothing
+    local home
+    for home in "${HOROVOD_NCCL_HOME:-}" "${CUDA_HOME:-}" "$(dirname "$(dirname "$(command -v nvcc)")")" /usr \
+                "$("$python" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null)"; do
+        if [ -n "$home" ] && [ -f "$home/include/nccl.h" ] && compgen -G "$home/lib*/libnccl.so*" >/dev/null; then
+            echo "$home"
+            return
+        fi
+    done
+}
 gpu_operations=
+nccl_home=
 if "$python" -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then
-    if command -v nvcc >/dev/null; then
-        gpu_operations=${HOROVOD_GPU_OPERATIONS:-NCCL}
-    else
+    if ! command -v nvcc >/dev/null; then
         echo "warning: torch is a CUDA build but nvcc is not on PATH: building Horovod without NCCL," \
              "so GPU gradients will be reduced on the CPU (slow). Install the CUDA toolkit and rerun." >&2
+    elif ! nccl_home=$(find_nccl) || [ -z "$nccl_home" ]; then
+        echo "warning: no NCCL found (include/nccl.h and libnccl under HOROVOD_NCCL_HOME, CUDA_HOME, /usr or" \
+             "the nvidia-nccl wheel): building Horovod with CPU operations only, so GPU gradients will be" \
+             "reduced on the CPU (slow). Install NCCL's development files or set HOROVOD_NCCL_HOME, and rerun." >&2
+    else
+        gpu_operations=${HOROVOD_GPU_OPERATIONS:-NCCL}
     fi
 fi
 
-cache=${HOROVOD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/distributed-nlp-suite/horovod-$version-torch-$torch_version${gpu_operations:+-${gpu_operations,,}}}
+cache_for() {  # the wheel's folder, named for what it was built with
+    echo "${HOROVOD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/distributed-nlp-suite/horovod-$version-torch-$torch_version${gpu_operations:+-${gpu_operations,,}}}"
+}
+cache=$(cache_for)
 wheel_pattern="horovod-$version-$python_tag-*.whl"
 mkdir -p "$cache"
 
@@ -58,15 +79,28 @@ if ! compgen -G "$cache/$wheel_pattern" >/dev/null; then
 
     export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
     export HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=GLOO
+    unset HOROVOD_GPU_OPERATIONS
     if [ -n "$gpu_operations" ]; then
-        export HOROVOD_GPU_OPERATIONS=$gpu_operations
-    else
-        unset HOROVOD_GPU_OPERATIONS
+        export HOROVOD_GPU_OPERATIONS=$gpu_operations HOROVOD_NCCL_INCLUDE="$nccl_home/include"
+        # The wheel ships libnccl.so.2 without the libnccl.so that linking asks for: link a folder of its own.
+        mkdir -p "$work/nccl-lib"
+        ln -s "$(compgen -G "$nccl_home/lib*/libnccl.so*" | head -n 1)" "$work/nccl-lib/libnccl.so"
+        export HOROVOD_NCCL_LIB="$work/nccl-lib" HOROVOD_NCCL_LINK=SHARED
     fi
     log="$cache/build.log"
     start=$SECONDS
-    "$python" -m pip wheel --no-deps --no-build-isolation --wheel-dir "$work/dist" "$src" > "$log" 2>&1 \
-        || { tail -n 40 "$log" >&2; fail "the Horovod build failed (last lines above, full log: $log)"; }
+    if ! "$python" -m pip wheel --no-deps --no-build-isolation --wheel-dir "$work/dist" "$src" > "$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        [ -n "$gpu_operations" ] || fail "the Horovod build failed (last lines above, full log: $log)"
+        echo "warning: the Horovod build with NCCL failed (last lines above, full log: $log): building it with" \
+             "CPU operations only, so GPU gradients will be reduced on the CPU (slow)" >&2
+        unset HOROVOD_GPU_OPERATIONS HOROVOD_NCCL_INCLUDE HOROVOD_NCCL_LIB HOROVOD_NCCL_LINK
+        gpu_operations=
+        cache=$(cache_for)  # the CPU build's own folder: the NCCL one never holds a CPU wheel
+        mkdir -p "$cache"
+        "$python" -m pip wheel --no-deps --no-build-isolation --wheel-dir "$work/dist" "$src" > "$log" 2>&1 \
+            || { tail -n 40 "$log" >&2; fail "the Horovod build failed (last lines above, full log: $log)"; }
+    fi
     # Copy under a temporary name, then rename: an interrupted copy never looks like a cached wheel.
     built=$(echo "$work"/dist/horovod-*.whl)
     cp "$built" "$cache/.partial"

@@ -6,6 +6,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 venv=.venv
 stamp="$venv/.requirements.sha256"
+horovod_stamp="$venv/.horovod.sha256"
 wanted=$(cat requirements.txt scripts/setup-env.sh scripts/build-horovod.sh | sha256sum | cut -d' ' -f1)
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
@@ -17,9 +18,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
         echo "error: installing requirements.txt failed (full log: $venv/pip-install.log)" >&2
         exit 1
     fi
-    # Horovod is optional for every other strategy: a failed build is reported, not fatal.
-    if ! bash scripts/build-horovod.sh "$venv/bin/python"; then
-        echo "warning: Horovod is not installed; multi-gpu-horovod-cls.py will not run (see README)" >&2
-    fi
     echo "$wanted" > "$stamp"
+fi
+# Horovod is optional for every other strategy: a failed build is reported, not fatal. Its own stamp
+# is written only once it is installed, so the next set-up tries again.
+if [ "$(cat "$horovod_stamp" 2>/dev/null)" != "$wanted" ]; then
+    if bash scripts/build-horovod.sh "$venv/bin/python"; then
+        echo "$wanted" > "$horovod_stamp"
+    else
+        echo "warning: Horovod is not installed; multi-gpu-horovod-cls.py will not run, and the next set-up" \
+             "tries the build again (see README)" >&2
+    fi
 fi

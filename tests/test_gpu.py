@@ -48,10 +48,10 @@ def torchrun(processes, script):
             script]
 
 
-def assert_gpu_run(output_dir, world_size, precision="fp32"):
+def assert_gpu_run(output_dir, world_size, precision="fp32", offloaded=False):
     """The run trained on CUDA, every dev sample once, and reported rank 0's GPU memory: the peak
-    allocated since training started, and what of it is not model state (activations, buffers,
-    workspaces), which the model state held during the step leaves non-negative."""
+    allocated since training started, and what of it is not model state on the GPU (activations,
+    buffers, workspaces), which the model state held there during the step leaves non-negative."""
     result = read_result(output_dir)
     assert result["device"].startswith("cuda"), result["device"]
     assert result["world_size"] == world_size and result["dev_samples"] == DEV_SAMPLES
@@ -61,7 +61,10 @@ def assert_gpu_run(output_dir, world_size, precision="fp32"):
         assert result["precision_native"] is (major >= (8 if precision == "bf16" else 7))
     peak, beyond = result["peak_memory_mb"], result["peak_memory_beyond_model_state_mb"]
     assert peak > 0 and -0.2 <= beyond <= peak, (peak, beyond)
-    assert beyond == pytest.approx(peak - result["model_state_bytes"]["total"] / 2**20, abs=0.2)
+    on_gpu = result["model_state_bytes_by_device"].get("cuda", 0)
+    in_cpu_memory = result["model_state_bytes"]["total"] - on_gpu  # Adam's step counters, or what is offloaded
+    assert (in_cpu_memory > result["model_state_bytes"]["total"] / 100) is offloaded, (on_gpu, in_cpu_memory)
+    assert beyond == pytest.approx(peak - on_gpu / 2**20, abs=0.2)
     return result
 
 
@@ -165,6 +168,9 @@ def test_deepspeed_fp16_zero_stage_learns(tmp_path, stage):
     assert f"DeepSpeed ZeRO stage {stage}" in process.stdout
     result = assert_gpu_run(tmp_path, world_size=PROCESSES, precision="fp16")
     assert result["zero_stage"] == stage
+    # DDP's 25 MiB of fp32 gradients, in fp16: not DeepSpeed's default 5e8 elements (0.95 GB in fp16).
+    assert result["reduce_bucket_bytes"] == 25 * 2**20 // 2
+    assert result["peak_memory_beyond_model_state_mb"] < 500, result["peak_memory_beyond_model_state_mb"]
     assert_learns(result)
     # The shards were gathered into one model that loads like any other.
     assert (tmp_path / "model" / "model.safetensors").is_file()
@@ -182,3 +188,25 @@ def test_fsdp2_in_bf16_learns(tmp_path):
     assert result["strategy"] == "fsdp2"
     assert_learns(result)
     assert (tmp_path / "model" / "model.safetensors").is_file()
+
+
+@needs(1)
+def test_fsdp2_offload_in_fp16_learns_and_its_cpu_state_stays_out_of_the_gpu_figure(tmp_path):
+    """--offload keeps the shards and Adam's moments in CPU memory; fp16's scaler all-reduces its
+    overflow flag, a CPU tensor, which the script's gloo+NCCL group carries."""
+    run([*torchrun(PROCESSES, "multi-gpu-fsdp-cls.py"), *GPU, "--offload", "--precision", "fp16", "--batch-size",
+         "16", "--epochs", "2", "--output-dir", str(tmp_path)])
+    result = assert_gpu_run(tmp_path, world_size=PROCESSES, precision="fp16", offloaded=True)
+    assert result["offload"] == "param+optimizer" and result["model_state_bytes_by_device"]["cpu"] > 0
+    assert_learns(result)
+
+
+@needs(1)
+def test_profile_on_cuda_records_each_step_once_and_splits_it_into_phases(tmp_path):
+    """With CUDA activity the profiler reports GPU-side copies of the step and phase ranges: counted,
+    they doubled the steps and halved every per-step figure."""
+    run([PYTHON, "single-gpu-cls.py", *GPU, "--batch-size", "32", "--profile", "3", "--output-dir", str(tmp_path)])
+    profile = read_result(tmp_path)["profile"]
+    assert profile["steps"] == 3
+    assert sum(profile["phases_ms"].values()) == pytest.approx(profile["step_ms"] - profile["unaccounted_ms"], abs=0.01)
+    assert profile["phases_ms"]["forward"] > 0 and profile["phases_ms"]["backward"] > 0

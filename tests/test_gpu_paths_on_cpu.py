@@ -1,0 +1,150 @@
+"""What the GPU paths do differently, checked on the CPU with synthetic profiler events, tensors told
+they live on a GPU and the scripts' own set-up functions: each defect a reading of the CUDA code found
+(the GPU itself confirms them in tests/test_gpu.py and scripts/gpu-check.sh)."""
+import importlib.util
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import deepspeed_setup
+import measure
+from conftest import ROOT
+
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+MAIN_THREAD = 1
+
+
+def event(name, start_ms, end_ms, device=CPU, annotation=False, thread=MAIN_THREAD):
+    """A profiler event as torch.profiler reports it (times in microseconds)."""
+    return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation, thread=thread,
+                           time_range=SimpleNamespace(start=start_ms * 1000, end=end_ms * 1000), cpu_parent=None)
+
+
+def test_step_anatomy_on_cuda_counts_cpu_side_steps_and_only_real_kernels_as_busy():
+    """Two 100 ms steps. In each, a compute kernel, then an NCCL all-reduce kernel: the first overlaps
+    the compute for 10 ms and runs alone for 20; the second runs alone for 30. With CUDA activity the
+    profiler also reports a GPU-side copy of every record_function range (steps and phases): they
+    must neither double the steps nor count as compute that hides the all-reduce."""
+    events = []
+    for start in (0, 100):
+        ranges = [(f"ProfilerStep#{start // 100}", start, start + 100), ("forward", start, start + 40),
+                  ("backward", start + 40, start + 90)]
+        for name, begin, end in ranges:
+            events += [event(name, begin, end), event(name, begin, end, device=CUDA, annotation=True, thread=7)]
+    events += [event("ampere_sgemm", 0, 60, device=CUDA, thread=7),
+               event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 50, 80, device=CUDA, thread=7),
+               event("ampere_sgemm", 100, 150, device=CUDA, thread=7),
+               event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 150, 180, device=CUDA, thread=7)]
+
+    anatomy = measure.step_anatomy(events, on_gpu=True)
+
+    assert anatomy["steps"] == 2 and anatomy["step_ms"] == 100
+    assert anatomy["communication_ms"] == 30  # (30 + 30) ms over 2 steps
+    assert anatomy["phases_ms"]["exposed communication"] == 25  # (20 + 30) / 2
+    assert anatomy["overlapped_communication_ms"] == 5
+    assert anatomy["phases_ms"]["forward"] == 40
+    assert anatomy["phases_ms"]["backward"] == 25  # 50 ms, less the 25 it waited on the all-reduce
+
+
+def test_model_state_is_counted_per_device_and_only_the_gpu_part_leaves_the_gpu_peak(monkeypatch):
+    """An offloading run keeps some model state in CPU memory: subtracting all of it from the GPU's
+    peak would understate (even make negative) what the GPU spends beyond model state. The counter
+    must split the bytes by device, and the GPU figure subtract only the GPU's."""
+    model = torch.nn.Linear(512, 512)  # 1 MiB of fp32 weights, 1 of gradients, 2 of Adam moments
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 512)).sum().backward()
+    optimizer.step()
+    strategy = SimpleNamespace(step=lambda model, optimizer: None)
+    count = measure.ModelStateCount(strategy, model, optimizer)
+    count.count()
+    whole = count.bytes["total"]
+    assert count.bytes_by_device == {"cpu": whole} and whole >= 4 * 2**20
+
+    # As if the weights were on the GPU and the rest offloaded: the counter reads storage.device.
+    on_gpu = {model.weight.untyped_storage().data_ptr(), model.bias.untyped_storage().data_ptr()}
+    real_device = torch.UntypedStorage.device.__get__
+
+    def device_of(storage):
+        return torch.device("cuda", 0) if storage.data_ptr() in on_gpu else real_device(storage)
+    monkeypatch.setattr(torch.UntypedStorage, "device", property(device_of))
+    count.count()
+    assert count.bytes_by_device["cuda"] == model.weight.untyped_storage().nbytes() + model.bias.untyped_storage().nbytes()
+    assert count.bytes_by_device["cuda"] + count.bytes_by_device["cpu"] == whole
+    fields = count.result_fields(torch.device("cuda", 0), peak_memory_mb=10.0)
+    assert fields["peak_memory_beyond_model_state_mb"] == 9.0  # 10 MB less the 1 MiB of weights on the GPU
+    assert "peak_memory_beyond_model_state_mb" not in count.result_fields(torch.device("cpu"), peak_memory_mb=10.0)
+
+
+def deepspeed_args(config=None):
+    return Namespace(deepspeed_config=config, zero_stage=None, offload=None, precision=None, batch_size=16,
+                     grad_accum=1)
+
+
+@pytest.mark.parametrize("config", [None, *sorted(str(path) for path in (ROOT / "configs" / "deepspeed").glob("*.json"))])
+def test_deepspeed_reduce_bucket_is_ddps_size_not_deepspeeds_two_gigabytes(config):
+    """DeepSpeed's default reduce bucket (5e8 elements) is allocated whole at every backward: 1.9 GB
+    of fp32 on each GPU for any model. The script's default and every shipped config (which the Trainer
+    script passes to transformers as they are) use DDP's 25 MiB."""
+    built, _ = deepspeed_setup.build_config(deepspeed_args(config), torch.device("cpu"), world_size=2)
+    zero = built["zero_optimization"]
+    assert zero["reduce_bucket_size"] == deepspeed_setup.REDUCE_BUCKET_ELEMENTS
+    expected = 0 if zero["stage"] == 0 else 25 * 2**20
+    assert deepspeed_setup.reduce_bucket_bytes(built) == expected
+
+
+def test_fabric_deepspeed_config_uses_ddps_bucket_size(monkeypatch):
+    spec = importlib.util.spec_from_file_location("fabric_script", ROOT / "multi-gpu-fabric-cls.py")
+    fabric_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fabric_script)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the function names cuda; monkeypatch restores it
+    monkeypatch.setattr(fabric_script, "DeepSpeedStrategy", lambda config, timeout: config)
+    config = fabric_script.fabric_strategy(Namespace(fabric_strategy="deepspeed", dist_timeout=60, batch_size=16,
+                                                     grad_accum=1))
+    assert config["zero_optimization"]["reduce_bucket_size"] == deepspeed_setup.REDUCE_BUCKET_ELEMENTS
+
+
+def test_dataparallel_checkpoint_saves_and_restores_every_gpus_random_state(monkeypatch, tmp_path):
+    """DataParallel's copies on GPUs 1.. draw dropout from those GPUs' generators: a checkpoint must
+    hold each one (not only the current GPU's), and --resume must restore each to its own GPU."""
+    import common
+    spec = importlib.util.spec_from_file_location("dataparallel_script", ROOT / "multi-gpu-dataparallel-cls.py")
+    dataparallel_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dataparallel_script)
+    generators = {gpu: torch.tensor([gpu, 7], dtype=torch.uint8) for gpu in (0, 1, 2)}
+    restored = {}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda gpu: generators[gpu].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, gpu: restored.__setitem__(gpu, state))
+
+    strategy = dataparallel_script.DataParallelStrategy(torch.device("cuda", 2), gpu_ids=[2, 0])
+    torch.save(common.random_states(strategy.gpus()), tmp_path / "states.pt")
+    common.set_random_states(torch.load(tmp_path / "states.pt", weights_only=True))
+    assert restored.keys() == {2, 0}
+    assert all(torch.equal(restored[gpu], generators[gpu]) for gpu in (2, 0))
+    # One process per GPU (DDP and the rest): its own GPU's generator only.
+    assert common.Strategy(torch.device("cuda", 1)).gpus() == [1] and common.Strategy(torch.device("cpu")).gpus() == []
+
+
+def test_fsdp2_offload_joins_a_group_that_carries_cpu_tensors_too():
+    """With --offload the sharded gradients are CPU tensors, and fp16's gradient scaler all-reduces
+    its overflow flag, a CPU tensor, over the mesh: an NCCL-only group cannot carry it."""
+    spec = importlib.util.spec_from_file_location("fsdp_script", ROOT / "multi-gpu-fsdp-cls.py")
+    fsdp_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fsdp_script)
+    gpu = torch.device("cuda", 0)
+    assert fsdp_script.group_backend(gpu, offload=True) == "cpu:gloo,cuda:nccl"
+    assert fsdp_script.group_backend(gpu, offload=False) == "nccl"
+    assert fsdp_script.group_backend(torch.device("cpu"), offload=False) == "gloo"
+
+
+def test_gpu_check_publishes_only_repeated_runs():
+    """A published run needs a measured noise floor, --repeat 2 or more (tests/test_benchmark.py checks
+    every folder under docs/results/): a GPU check's published run must have one."""
+    import re
+    lines = [line for line in (ROOT / "scripts" / "gpu-check.sh").read_text().splitlines()
+             if "--publish" in line and not line.lstrip().startswith("#")]
+    assert lines
+    for line in lines:
+        repeat = re.search(r"--repeat (\d+)", line)
+        assert repeat and int(repeat.group(1)) >= 2, line
