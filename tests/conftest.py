@@ -148,3 +148,10 @@ def single_run(tmp_path_factory, batch_size):
 def single_reference(tmp_path_factory):
     """single-gpu-cls.py at batch 32, shuffling and dropout off: what 2 processes x 16 must equal."""
     return single_run(tmp_path_factory, 32)
+
+
+@pytest.fixture(scope="session")
+def single_33(tmp_path_factory):
+    """single-gpu-cls.py at batch 33: what 3 processes x 11 must equal (the last global batch, 2
+    samples, cannot be shared by 3)."""
+    return single_run(tmp_path_factory, 33)

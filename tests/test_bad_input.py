@@ -46,6 +46,7 @@ def test_malformed_data_is_named_with_its_record(tmp_path, content, fragments):
     assert_clean_error(train(data=path), str(path), *fragments)
 
 
+@pytest.mark.quick
 def test_missing_data_file(tmp_path):
     assert_clean_error(train(data=tmp_path / "nope.json"), "data file not found", "nope.json")
 
@@ -74,6 +75,7 @@ def test_cuda_asked_for_on_a_machine_without_it():
     assert_clean_error(train("--device", "cuda"), "--device cuda")
 
 
+@pytest.mark.quick
 def test_predict_with_a_missing_checkpoint(tmp_path):
     process = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path / "model"), "你好"], check=False)
     assert_clean_error(process, "no saved model", str(tmp_path / "model"))
@@ -125,7 +127,9 @@ def test_more_processes_than_gpus_share_them_only_over_gloo(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert common.resolve_device("auto", 1) == torch.device("cuda", 1)
     with pytest.raises(common.UserError, match="local rank 2 has no GPU.*--backend gloo"):
-        common.resolve_device("auto", 2)
+        common.resolve_device("auto", 2, share_gpus=False)  # a DDP script: it takes --backend
+    with pytest.raises(common.UserError, match="processes per machine$"):
+        common.resolve_device("auto", 2)  # a script without --backend is not told to use it
     assert common.resolve_device("auto", 2, share_gpus=True) == torch.device("cuda", 0)
     assert common.resolve_device("auto", 3, share_gpus=True) == torch.device("cuda", 1)
     assert common.resolve_device("cpu", 3) == torch.device("cpu")

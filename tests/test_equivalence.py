@@ -8,7 +8,7 @@ import pytest
 
 import common
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, require,
-                      run, single_run)
+                      run)
 
 THREE = [*SMALL, *EXACT, "--batch-size", "11"]
 
@@ -31,11 +31,6 @@ LAUNCH = {
 }
 NEEDS = {"horovod": "horovod", "deepspeed-zero1": "deepspeed", "deepspeed-zero3": "deepspeed",
          "accelerate": "accelerate", "fabric": "lightning_fabric"}
-
-
-@pytest.fixture(scope="module")
-def single_33(tmp_path_factory):
-    return single_run(tmp_path_factory, 33)
 
 
 @pytest.mark.parametrize("strategy", list(LAUNCH))

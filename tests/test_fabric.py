@@ -10,7 +10,7 @@ import transformers
 
 import measure
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
-                      free_port, load_weights, predict_dev_accuracy, read_result, require, run, single_run,
+                      free_port, load_weights, predict_dev_accuracy, read_result, require, run,
                       small_split, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-fabric-cls.py"
@@ -66,17 +66,16 @@ def test_fabric_run_learns_counts_each_dev_sample_once_and_ends_with_the_single_
                                                                           "training_state.pt"]
 
 
-def test_fsdp2_on_three_processes_ends_with_the_single_device_weights(tmp_path_factory, tmp_path):
+def test_fsdp2_on_three_processes_ends_with_the_single_device_weights(tmp_path, single_33):
     """Fabric's ModelParallelStrategy (FSDP2) under torchrun, 3 x 11 against one device x 33: the last
     global batch (2 samples) and the 83 dev samples cannot be shared evenly by 3."""
-    single = single_run(tmp_path_factory, 33)
     torchrun(3, *EXACT, "--fabric-strategy", "fsdp2", "--batch-size", "11", "--output-dir", str(tmp_path))
     result = read_result(tmp_path)
     assert result["launcher"] == "torchrun" and result["fabric_strategy"] == "fsdp2"
     assert result["world_size"] == 3 and result["global_batch_size"] == 33
     assert result["dev_samples"] == DEV_SAMPLES and result["samples_trained"] == 332 and result["steps"] == 11
     assert result["model_state_formula_bytes"]["zero_stage"] == 3  # the weights really are sharded
-    assert_same_weights(single / "model", tmp_path / "model")
+    assert_same_weights(single_33 / "model", tmp_path / "model")
 
 
 def test_a_failing_rank_ends_the_whole_job_and_is_named(tmp_path):

@@ -11,7 +11,7 @@ import transformers
 import common
 import measure
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
-                      free_port, predict_dev_accuracy, read_result, require, run, single_run, untrained_dev_loss)
+                      free_port, predict_dev_accuracy, read_result, require, run, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-transformers-cls.py"
 
@@ -24,11 +24,6 @@ def torchrun(processes, *options, env=None, check=True):
 @pytest.fixture(autouse=True)
 def accelerate_installed():
     require("accelerate")  # transformers.Trainer runs on it
-
-
-@pytest.fixture(scope="module")
-def single_33(tmp_path_factory):
-    return single_run(tmp_path_factory, 33)
 
 
 def test_three_processes_end_with_the_single_device_weights_and_count_each_dev_sample_once(tmp_path, single_33):

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import time
 
+import pytest
 import torch
 
 import common
@@ -39,6 +40,7 @@ def logged_losses(output):
     return [float(loss) for loss in re.findall(r"【train】 .* loss：([\d.]+)", output)]
 
 
+@pytest.mark.quick
 def test_ddp_under_torchrun_equals_the_single_device_run(tmp_path, single_reference):
     process = run(torchrun(*EQUIVALENT, "--output-dir", str(tmp_path)))
     assert_distributed_result(tmp_path, "ddp", "torchrun")

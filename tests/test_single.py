@@ -1,4 +1,5 @@
 """single-gpu-cls.py end to end on a few hundred samples, and predict.py on what it saved."""
+import pytest
 import torch
 import transformers
 
@@ -10,6 +11,7 @@ RESULT_KEYS = {"strategy", "launcher", "world_size", "device", "model", "precisi
                "dev_loss", "dev_accuracy", "dev_macro_f1", "dev_samples", "versions"}
 
 
+@pytest.mark.quick
 def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
     process = run([PYTHON, "single-gpu-cls.py", *SMALL, "--output-dir", str(tmp_path)])
     assert "【train】 epoch：1/1 step：5/11 loss：" in process.stdout + process.stderr
@@ -50,7 +52,6 @@ def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
 
 def test_auto_falls_back_to_the_tiny_model_with_a_banner(tmp_path):
     if common.LOCAL_MODEL_DIR.is_dir():
-        import pytest
         pytest.skip(f"{common.LOCAL_MODEL_DIR} exists, so --model auto uses it")
     args = [arg for arg in SMALL if arg not in ("--model", "tiny")]
     process = run([PYTHON, "single-gpu-cls.py", *args, "--model", "auto", "--output-dir", str(tmp_path)],

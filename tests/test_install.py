@@ -1,0 +1,75 @@
+"""The set-up is complete: every library the strategies need imports, and every launcher starts its
+script. Part of the quick tier (./test.sh --quick), a few minutes' check of a new install."""
+import importlib.util
+import json
+
+import pytest
+
+from conftest import BIN, PYTHON, free_port, require, run
+
+pytestmark = pytest.mark.quick
+
+# The module each strategy's library is imported as, Horovod's PyTorch part included (its build).
+LIBRARIES = ["torch", "transformers", "sklearn", "safetensors", "matplotlib", "accelerate", "deepspeed",
+             "lightning_fabric", "horovod.torch"]
+
+
+IMPORT_EACH = """import importlib, json, sys
+failures = {}
+for module in sys.argv[1:]:
+    try:
+        importlib.import_module(module)
+    except Exception as error:
+        failures[module] = f"{type(error).__name__}: {error}"
+print(json.dumps(failures))"""
+
+
+@pytest.fixture(scope="module")
+def import_failures():
+    """{module: its import error} for the LIBRARIES that fail, all tried in one fresh interpreter."""
+    process = run([PYTHON, "-c", IMPORT_EACH, *LIBRARIES], timeout=300)
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", LIBRARIES)
+def test_library_imports(module, import_failures):
+    require(module.split(".")[0])
+    assert module not in import_failures, f"import {module} failed: {import_failures.get(module)}"
+
+
+# Each launcher, one process, the script's --help: the launcher finds the interpreter and the script
+# and passes the script its options (the training itself is the rest of the suite's).
+LAUNCHES = {
+    "torchrun": (None, lambda: [BIN / "torchrun", "--nproc_per_node", "1", "--master_port", free_port(),
+                                "multi-gpu-distributed-cls.py"]),
+    "torch.distributed.launch": (None, lambda: [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "1",
+                                                "--master_port", free_port(), "multi-gpu-distributed-cls.py"]),
+    "spawn": (None, lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py"]),
+    "deepspeed": ("deepspeed", lambda: [BIN / "deepspeed", "--num_gpus", "1", "--master_port", free_port(),
+                                        "multi-gpu-deepspeed-cls.py"]),
+    "horovodrun": ("horovod", lambda: [BIN / "horovodrun", "-np", "1", "-H", "localhost:1", "--gloo", PYTHON,
+                                       "multi-gpu-horovod-cls.py"]),
+    "accelerate launch": ("accelerate", lambda: [BIN / "accelerate", "launch", "--num_processes", "1",
+                                                 "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py"]),
+    # fabric run's own --help would answer an option after the script, unless -- ends its options.
+    "fabric run": ("lightning_fabric", lambda: [BIN / "fabric", "run", "--accelerator", "cpu", "--devices", "1",
+                                                "--main-port", free_port(), "multi-gpu-fabric-cls.py", "--"]),
+}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHES)
+def test_launcher_starts_its_script(launcher):
+    library, command = LAUNCHES[launcher]
+    if library:
+        require(library)
+    process = run([*command(), "--help"], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    assert "usage:" in process.stdout and "--output-dir" in process.stdout, process.stdout[-2000:]
+
+
+def test_every_launcher_is_beside_the_interpreter():
+    """The runner and the README start the launchers from the environment's bin folder."""
+    wanted = {"torchrun": None, "deepspeed": "deepspeed", "horovodrun": "horovod", "accelerate": "accelerate",
+              "fabric": "lightning_fabric"}
+    missing = [name for name, library in wanted.items()
+               if (library is None or importlib.util.find_spec(library)) and not (BIN / name).exists()]
+    assert not missing, f"not in {BIN}: {', '.join(missing)}"
