@@ -234,8 +234,9 @@ def parse_args(argv=None):
     parser.add_argument("--nprocs", default=str(torch.cuda.device_count() or 2),
                         help="processes (GPUs) per distributed row; a list like 1,2,4 runs a scaling sweep "
                              "(default: all GPUs, or 2 without GPU: %(default)s here)")
-    parser.add_argument("--model", default="auto",
-                        help="as the scripts' --model (default: auto, resolved once here and passed to all)")
+    parser.add_argument("--model",
+                        help="as the scripts' --model, resolved once here and passed to all (default: auto on a "
+                             "machine with GPUs; tiny without, where the real model would take hours)")
     parser.add_argument("--max-samples", type=int, help="passed to every script (default: the scripts' 10000)")
     parser.add_argument("--epochs", type=int, help="passed to every script (default: the scripts' 1)")
     parser.add_argument("--repeat", type=int, default=1,
@@ -679,13 +680,16 @@ def machine_slug(machine):
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def resolve_model(choice):
-    """--model auto once, here, so that every strategy trains the same model (and says which)."""
-    model = common.resolve_model(choice)
+def resolve_model(choice, gpus):
+    """The model every strategy trains, resolved once, here, and said. Without --model: auto with
+    GPUs; without them the tiny model, since eleven rows of the real BERT on a CPU take hours."""
+    model = common.resolve_model(choice or ("auto" if gpus else "tiny"))
     if model == "tiny":
         note = ("the offline tiny BERT (2 layers, hidden 128, random weights): "
                 "the figures compare strategies, not models")
-        if choice == "auto":
+        if choice is None and not gpus:
+            note += "; chosen because this machine has no GPU (--model auto or a model folder trains the real one)"
+        elif choice in (None, "auto"):
             note += f"; chosen because {relative(common.LOCAL_MODEL_DIR)} is absent and the hub is unreachable"
         return model, note
     return model, None
@@ -895,53 +899,89 @@ def write_text(path, text):
 
 
 def chart(report, path):
-    """Five panels: seconds per row, dev accuracy per row, speed-up against processes; below, the time
-    per step by phase (with --profile) and the model state per process."""
+    """The panels the run has figures for (chart_panels), three to a line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = report["rows"]
-    labels = [row_label(row) if row["status"] == "ok" else row["row"] for row in rows]
-    ok = [row["status"] == "ok" for row in rows]
-    positions = range(len(rows))
-    figure = plt.figure(figsize=(19, 10.4))
-    grid = figure.add_gridspec(2, 6)
-    time_axis, accuracy_axis, scaling_axis = (figure.add_subplot(grid[0, i:i + 2]) for i in (0, 2, 4))
-    phase_axis, memory_axis = figure.add_subplot(grid[1, :3]), figure.add_subplot(grid[1, 3:])
-    train = [row["train_seconds"] if good else 0 for row, good in zip(rows, ok)]
-    wall = [row["wall_seconds"] if good else 0 for row, good in zip(rows, ok)]
-    time_axis.bar([p - 0.2 for p in positions], train, 0.4, label="training loop")
-    time_axis.bar([p + 0.2 for p in positions], wall, 0.4, label="whole launch (wall)", alpha=0.5)
-    if report["repeat"] > 1:
-        for p, row, good in zip(positions, rows, ok):
-            if good:
-                time_axis.plot([p - 0.2] * 2, [row["train_seconds_min"], row["train_seconds_max"]], color="black")
-    time_axis.set_ylabel("seconds")
-    time_axis.set_title("time per row (lower is better; black: min-max of the repeats)", fontsize=9)
-    time_axis.legend()
-    accuracy = [row["dev_accuracy"] if good else 0 for row, good in zip(rows, ok)]
-    accuracy_axis.bar(list(positions), accuracy, 0.6, color="tab:green")
-    # A model that always answers 其他 scores this on the default dev set (271 of its 800 samples).
-    accuracy_axis.axhline(271 / 800, color="gray", linestyle="--", label="always 'other' (33.9% of the default dev set)")
-    accuracy_axis.legend(loc="upper right")
-    accuracy_axis.set_ylim(0, 1)
-    accuracy_axis.set_ylabel("dev accuracy")
-    accuracy_axis.set_title("dev accuracy per row", fontsize=9)
-    for axis in (time_axis, accuracy_axis):
-        axis.set_xticks(list(positions), labels, rotation=30, ha="right", fontsize=8)
-        for p, row, good in zip(positions, rows, ok):
-            if not good:
-                axis.text(p, 0, row["status"], rotation=90, ha="center", va="bottom", color="tab:red")
-    scaling_chart(scaling_axis, report)
-    phase_chart(phase_axis, report)
-    memory_chart(memory_axis, report)
+    panels = chart_panels(report)
+    columns = 2 if len(panels) in (2, 4) else min(3, len(panels))
+    lines = -(-len(panels) // columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(6.4 * columns, 5.2 * lines), squeeze=False)
+    for panel, axis in zip(panels, axes.flat):
+        panel(axis, report)
+    for axis in axes.flat[len(panels):]:
+        axis.remove()
     figure.suptitle(f"{report['machine']['summary']} | model {report['model']}", fontsize=9)
     figure.tight_layout()
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     figure.savefig(staging, format="png", dpi=100)
     plt.close(figure)
     os.replace(staging, path)
+
+
+def chart_panels(report):
+    """Time and dev accuracy per row always; the speed-up per row when there is a single row to
+    compare with; the speed-up against processes for a sweep (--nprocs 1,2,...); the time per step
+    by phase with --profile; the model state per process. A panel without figures is left out."""
+    panels = [time_chart, accuracy_chart]
+    if any(row.get("speedup") is not None for row in report["rows"]):
+        panels.append(speedup_chart)
+    if len(report["counts"]) > 1 and scaling_rows(report):
+        panels.append(scaling_chart)
+    if phase_rows(report):
+        panels.append(phase_chart)
+    if memory_rows(report):
+        panels.append(memory_chart)
+    return panels
+
+
+def row_bars(axis, report, values, offset=0.0, **style):
+    """One bar per row (shifted by `offset` from its label), a failed row marked with its status instead."""
+    rows = report["rows"]
+    positions = range(len(rows))
+    axis.bar([p + offset for p in positions], [value if row["status"] == "ok" else 0
+                                               for row, value in zip(rows, values)], **style)
+    axis.set_xticks(list(positions), [row_label(row) if row["status"] == "ok" else row["row"] for row in rows],
+                    rotation=30, ha="right", fontsize=8)
+    for position, row in zip(positions, rows):
+        if row["status"] != "ok":
+            axis.text(position, 0, row["status"], rotation=90, ha="center", va="bottom", color="tab:red")
+
+
+def time_chart(axis, report):
+    rows = report["rows"]
+    ok = [row["status"] == "ok" for row in rows]
+    train = [row["train_seconds"] if good else 0 for row, good in zip(rows, ok)]
+    wall = [row["wall_seconds"] if good else 0 for row, good in zip(rows, ok)]
+    positions = range(len(rows))
+    row_bars(axis, report, train, offset=-0.2, width=0.4, label="training loop")
+    axis.bar([p + 0.2 for p in positions], wall, 0.4, label="whole launch (wall)", alpha=0.5)
+    if report["repeat"] > 1:
+        for p, row, good in zip(positions, rows, ok):
+            if good:
+                axis.plot([p - 0.2] * 2, [row["train_seconds_min"], row["train_seconds_max"]], color="black")
+    axis.set_ylabel("seconds")
+    axis.set_title("time per row (lower is better; black: min-max of the repeats)", fontsize=9)
+    axis.legend()
+
+
+def accuracy_chart(axis, report):
+    row_bars(axis, report, [row.get("dev_accuracy") or 0 for row in report["rows"]], width=0.6, color="tab:green")
+    # A model that always answers 其他 scores this on the default dev set (271 of its 800 samples).
+    axis.axhline(271 / 800, color="gray", linestyle="--", label="always 'other' (33.9% of the default dev set)")
+    axis.legend(loc="upper right")
+    axis.set_ylim(0, 1)
+    axis.set_ylabel("dev accuracy")
+    axis.set_title("dev accuracy per row", fontsize=9)
+
+
+def speedup_chart(axis, report):
+    row_bars(axis, report, [row.get("speedup") or 0 for row in report["rows"]], width=0.6, color="tab:purple")
+    axis.axhline(1, color="gray", linestyle="--", label="single (1.00x)")
+    axis.legend(loc="upper right")
+    axis.set_ylabel("samples/s over the single row's")
+    axis.set_title("speed-up per row (higher is better)", fontsize=9)
 
 
 def scaling_chart(axis, report):
@@ -956,9 +996,6 @@ def scaling_chart(axis, report):
     axis.set_xlabel("processes")
     axis.set_ylabel("samples/s over the same row's 1-process run")
     axis.set_xticks(counts)
-    if not scaling_rows(report):
-        axis.text(0.5, 0.5, "run --nprocs 1,2,... to fill this panel", transform=axis.transAxes, ha="center",
-                  color="gray")
     axis.legend(fontsize=8)
 
 
@@ -977,10 +1014,6 @@ def phase_chart(axis, report):
     rows = phase_rows(report)
     axis.set_title("time per step by phase, rank 0 (--profile; lower is better)", fontsize=9)
     axis.set_ylabel("milliseconds per step")
-    if not rows:
-        axis.text(0.5, 0.5, "run with --profile 5 to fill this panel", transform=axis.transAxes, ha="center",
-                  color="gray")
-        return
     phases = list(rows[0]["profile"]["phases_ms"])
     stacked_bars(axis, [row_label(row) for row in rows],
                  {phase: [row["profile"]["phases_ms"][phase] for row in rows] for phase in phases})
@@ -990,8 +1023,6 @@ def memory_chart(axis, report):
     rows = memory_rows(report)
     axis.set_title("model state per process, rank 0 (black: the ZeRO formula)", fontsize=9)
     axis.set_ylabel("MB")
-    if not rows:
-        return
     stacked_bars(axis, [row_label(row) for row in rows],
                  {part.replace("_", " "): [row["model_state_bytes"][part] / 2**20 for row in rows]
                   for part in MODEL_STATE_PARTS})
@@ -1049,7 +1080,7 @@ def main():
         return
     args.output_dir.mkdir(parents=True, exist_ok=True)
     gpus = torch.cuda.device_count()
-    model, model_note = resolve_model(args.model)
+    model, model_note = resolve_model(args.model, gpus)
     cells = plan(args, gpus)
     report = {
         "machine": describe_machine(),

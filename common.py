@@ -197,17 +197,19 @@ def set_seed(seed):
     torch.manual_seed(seed)
 
 
-def resolve_device(choice, local_rank=0, share_gpus=False):
+def resolve_device(choice, local_rank=0, share_gpus=None):
     """`auto` picks this process's GPU when there is one, else the CPU. With `share_gpus` (gloo),
-    processes beyond the GPU count take turns on the GPUs there are."""
+    processes beyond the GPU count take turns on the GPUs there are; None: the script has no
+    --backend to offer for it."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but torch sees no CUDA GPU")
     if choice == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
     if local_rank >= gpus and not share_gpus:
+        offer = "" if share_gpus is None else ", or share the GPUs over --backend gloo"
         raise UserError(f"local rank {local_rank} has no GPU: this machine has {gpus}; start at most that many "
-                        "processes per machine, or share the GPUs over --backend gloo", only_this_rank=True)
+                        f"processes per machine{offer}", only_this_rank=True)
     return torch.device("cuda", local_rank % gpus)
 
 

@@ -256,3 +256,26 @@ def test_the_benchmark_page_shows_the_committed_benchmark_verbatim():
         folder = (ROOT / path).parent
         assert (folder / "benchmark.json").is_file() and (folder / "benchmark.png").is_file()
         assert json.loads((folder / "benchmark.json").read_text(encoding="utf-8"))["repeat"] >= 2  # a noise floor
+
+
+def test_without_a_gpu_the_runner_trains_the_tiny_model_unless_told_otherwise(monkeypatch):
+    """Eleven rows of the real BERT on a laptop's CPU take hours: without GPUs and without --model the
+    runner picks the tiny model and says why; a --model given, or GPUs, keep the scripts' choice."""
+    monkeypatch.setattr(common, "resolve_model", lambda choice: "hub-model" if choice == "auto" else choice)
+    model, note = benchmark.resolve_model(None, gpus=0)
+    assert model == "tiny" and "no GPU" in note
+    assert benchmark.resolve_model(None, gpus=1) == ("hub-model", None)
+    assert benchmark.resolve_model("auto", gpus=0) == ("hub-model", None)
+
+
+def test_the_chart_draws_only_the_panels_the_run_has_figures_for():
+    """A default run has no sweep and no profile: its chart must not show their panels empty."""
+    row = {"status": "ok", "speedup": 1.0, "model_state_bytes": {"total": 1}}
+    default = {"rows": [row], "counts": [2]}
+    assert benchmark.chart_panels(default) == [benchmark.time_chart, benchmark.accuracy_chart,
+                                               benchmark.speedup_chart, benchmark.memory_chart]
+    swept = {"rows": [{**row, "speedup_vs_1_process": 1.8, "profile": {"phases_ms": {}}}], "counts": [1, 2]}
+    assert benchmark.chart_panels(swept)[-3:] == [benchmark.scaling_chart, benchmark.phase_chart,
+                                                  benchmark.memory_chart]
+    assert benchmark.chart_panels({"rows": [{"status": "failed"}], "counts": [2]}) == [benchmark.time_chart,
+                                                                                       benchmark.accuracy_chart]

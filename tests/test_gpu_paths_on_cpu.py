@@ -70,7 +70,8 @@ def test_model_state_is_counted_per_device_and_only_the_gpu_part_leaves_the_gpu_
         return torch.device("cuda", 0) if storage.data_ptr() in on_gpu else real_device(storage)
     monkeypatch.setattr(torch.UntypedStorage, "device", property(device_of))
     count.count()
-    assert count.bytes_by_device["cuda"] == model.weight.untyped_storage().nbytes() + model.bias.untyped_storage().nbytes()
+    weights = model.weight.untyped_storage().nbytes() + model.bias.untyped_storage().nbytes()
+    assert count.bytes_by_device["cuda"] == weights
     assert count.bytes_by_device["cuda"] + count.bytes_by_device["cpu"] == whole
     fields = count.result_fields(torch.device("cuda", 0), peak_memory_mb=10.0)
     assert fields["peak_memory_beyond_model_state_mb"] == 9.0  # 10 MB less the 1 MiB of weights on the GPU
@@ -82,7 +83,10 @@ def deepspeed_args(config=None):
                      grad_accum=1)
 
 
-@pytest.mark.parametrize("config", [None, *sorted(str(path) for path in (ROOT / "configs" / "deepspeed").glob("*.json"))])
+CONFIGS = sorted(str(path) for path in (ROOT / "configs" / "deepspeed").glob("*.json"))
+
+
+@pytest.mark.parametrize("config", [None, *CONFIGS])
 def test_deepspeed_reduce_bucket_is_ddps_size_not_deepspeeds_two_gigabytes(config):
     """DeepSpeed's default reduce bucket (5e8 elements) is allocated whole at every backward: 1.9 GB
     of fp32 on each GPU for any model. The script's default and every shipped config (which the Trainer
