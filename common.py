@@ -126,6 +126,9 @@ def build_parser(script_file, description):
                              "(benchmarks/pipeline.py)")
     parser.add_argument("--no-shuffle", action="store_true", help="keep the training order fixed")
     parser.add_argument("--dropout", type=float, default=None, help="override the model's dropout probabilities")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="keep only each layer's input in forward and recompute the rest in backward: less "
+                             "activation memory for about one more forward pass of compute")
     parser.add_argument("--save-steps", type=int, default=0,
                         help="save a training checkpoint (for --resume) every N steps; 0 = never")
     parser.add_argument("--resume", action="store_true",
@@ -525,6 +528,9 @@ def load_model(args, train_texts, name):
     max_positions = model.config.max_position_embeddings
     if args.max_seq_len > max_positions:
         raise UserError(f"--max-seq-len {args.max_seq_len} exceeds the model's {max_positions} positions")
+    if args.gradient_checkpointing:
+        # Non-reentrant checkpointing: the form DDP, FSDP2 and the rest accept without special cases.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lr = args.lr if args.lr is not None else DEFAULT_LR["tiny" if name == "tiny" else "pretrained"]
     return tokenizer, model, name, lr
 

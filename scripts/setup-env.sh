@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with the pinned dependencies, once; later calls only check that it is up to date.
 # Sourced by run.sh and test.sh, so those two commands are all a fresh machine needs.
+# PYTHON names the interpreter the environment is made from (default: python3), e.g.
+#   PYTHON=python3.11 ./run.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -9,7 +11,8 @@ stamp="$venv/.requirements.sha256"
 horovod_stamp="$venv/.horovod.sha256"
 wanted=$(cat requirements.txt scripts/setup-env.sh scripts/build-horovod.sh | sha256sum | cut -d' ' -f1)
 if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
+    "${PYTHON:-python3}" -m venv "$venv" \
+        || { echo "error: could not make $venv with ${PYTHON:-python3} (PYTHON=... names another Python 3.11)" >&2; exit 1; }
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     echo "Installing the pinned dependencies into $venv ..."

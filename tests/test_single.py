@@ -4,7 +4,8 @@ import torch
 import transformers
 
 import common
-from conftest import DEV_SAMPLES, PYTHON, SMALL, load_weights, predict_dev_accuracy, read_result, run, small_split
+from conftest import (DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
+                      read_result, run, small_split)
 
 RESULT_KEYS = {"strategy", "launcher", "world_size", "device", "model", "precision", "batch_size_per_process",
                "global_batch_size", "epochs", "train_seconds", "samples_per_second", "peak_memory_mb",
@@ -58,3 +59,15 @@ def test_auto_falls_back_to_the_tiny_model_with_a_banner(tmp_path):
                   env={"HF_HUB_OFFLINE": "1"})
     assert "using the TINY randomly" in process.stderr
     assert read_result(tmp_path)["model"] == "tiny"
+
+
+def test_gradient_checkpointing_is_switched_on_and_trains_the_same_weights(tmp_path, single_reference):
+    """Recomputing the activations in backward saves memory, not results: the same weights as the
+    reference at batch 32, and the model really checkpoints."""
+    args = common.build_parser("single-gpu-cls.py", "").parse_args(["--model", "tiny", "--gradient-checkpointing"])
+    train, _ = small_split()
+    _, model, _, _ = common.load_model(args, [text for text, _ in train], "tiny")
+    assert model.is_activation_checkpointing
+    run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", "32", "--gradient-checkpointing",
+         "--output-dir", str(tmp_path)])
+    assert_same_weights(single_reference / "model", tmp_path / "model")
