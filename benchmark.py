@@ -504,30 +504,37 @@ def check_memory(cells, parameters, available):
 
 
 def time_one_step(args):
-    """Seconds of a steady base-shape training step here, one process on every core, at the plan's
-    batch: the first step (Adam creates its state) is not timed, the second is."""
+    """Seconds of a steady base-shape training step here on one thread, at the plan's batch: the first
+    step (Adam creates its state) is not timed, the second is. One thread, as each process of a
+    2-process row gets on 2 cores; timing on all cores would also time how the threads of a loaded
+    machine wait for each other."""
     batch_size = args.batch_size or SCRIPT_BATCH_SIZE
     texts = [text for text, _ in common.load_records(ROOT / "data" / "train.json")[:batch_size]]
     tokenizer, model = common.build_base_shape_model(texts, 0, {"num_labels": len(common.LABELS)})
     batch = tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
     labels = torch.zeros(len(texts), dtype=torch.long)
     optimizer = common.make_optimizer(model, 1e-4, 0.01)
-    seconds = []
+    seconds, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
     for _ in range(2):
         start = time.perf_counter()
         model(**batch, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - start)
+    torch.set_num_threads(threads)
     return seconds[-1]
 
 
 def estimate_seconds(cells, step_seconds, args):
-    """The plan's duration: each launch's fixed cost, and its steps and evaluation. N processes share the
-    cores one process timed the step on, each with its own batch: a step takes N times as long; the
-    evaluation's forward passes cost about a third of a step per batch."""
+    """The plan's duration from a step timed on one thread: each launch's fixed cost, then its steps
+    and its evaluation. N processes, each with its own batch, share the machine's cores: a step takes
+    N / cores times the one-thread step. The dev batches are split over the processes, each a forward
+    pass, about a third of a step."""
+    cores = common.usable_cores()
     dev_batches = round((args.max_samples or 10000) * 0.08) / (args.batch_size or SCRIPT_BATCH_SIZE)
-    return sum(LAUNCH_SECONDS + step_seconds * (args.max_steps * processes(cell) + dev_batches / 3)
+    evaluation = step_seconds * dev_batches / 3 / cores
+    return sum(LAUNCH_SECONDS + step_seconds * processes(cell) / cores * args.max_steps + evaluation
                for cell in cells) * args.repeat
 
 
@@ -539,7 +546,7 @@ def announce_real_size(args, cells):
           flush=True)
     step_seconds = time_one_step(args)
     minutes = estimate_seconds(cells, step_seconds, args) / 60
-    print(f"real size: a base-shape step took {step_seconds:.1f} s here (one process, batch "
+    print(f"real size: a base-shape step took {step_seconds:.1f} s here (one thread, batch "
           f"{args.batch_size}): {len(cells) * args.repeat} launches, about {minutes:.0f} minutes in all", flush=True)
 
 
@@ -1185,6 +1192,8 @@ def main():
     cells = plan(args, gpus)
     if args.real_size:
         announce_real_size(args, cells)
+    # The distributed rows' process counts (--real-size adds 4 for the sharded rows).
+    counts = {cell["nprocs"] for cell in cells if STRATEGIES[cell["strategy"]].distributed} or set(args.counts)
     report = {
         "machine": describe_machine(),
         "versions": library_versions(),
@@ -1192,7 +1201,7 @@ def main():
         "model": relative(model) if Path(model).is_dir() else model,
         "model_note": model_note,
         "nprocs": args.nprocs,
-        "counts": sorted({cell["nprocs"] for cell in cells}),
+        "counts": sorted(counts),
         "max_steps": args.max_steps,
         "repeat": args.repeat,
         "spread": "min-max over the repeats; the row is the run with the median training time",
