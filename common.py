@@ -117,8 +117,8 @@ def build_parser(script_file, description):
                         help="micro-batches per optimizer step (gradient accumulation): the global batch is "
                              "--batch-size x processes x N")
     parser.add_argument("--lr", type=float, default=None,
-                        help=f"default {DEFAULT_LR['tiny']} for the tiny model, {DEFAULT_LR['base-shape']} for base-shape, "
-                             f"{DEFAULT_LR['pretrained']} otherwise")
+                        help=f"default {DEFAULT_LR['tiny']} for the tiny model, {DEFAULT_LR['base-shape']} for "
+                             f"base-shape, {DEFAULT_LR['pretrained']} otherwise")
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--max-seq-len", type=int, default=128, help="longer texts are truncated")
     parser.add_argument("--seed", type=int, default=123)
@@ -765,8 +765,8 @@ class Trainer:
     def log_start(self):
         """The first lines every script prints: what this run is."""
         strategy = self.strategy
-        self.log(f"model: {self.model_name} ({parameter_count(self.model):,} parameters) | learning rate: {self.lr:g} | processes: {strategy.world_size} | "
-                 f"global batch: {self.global_batch_size} | "
+        self.log(f"model: {self.model_name} ({parameter_count(self.model):,} parameters) | "
+                 f"learning rate: {self.lr:g} | processes: {strategy.world_size} | global batch: {self.global_batch_size} | "
                  f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)} | "
                  f"threads per process: {self.threads}")
         if not self.native_precision:
@@ -999,8 +999,8 @@ class Trainer:
               f"{result['tokens_per_sample']:.1f} tokens + {result['padded_tokens_per_sample']:.1f} padding "
               f"per sample, peak memory {result['peak_memory_mb']:.0f} MB (rank 0)")
         if result["stopped_early"]:
-            print(f"stopped by --max-steps after {result['steps']} optimizer steps, before the end of {result['epochs']} "
-                  f"epoch(s): {result['samples_trained']} samples trained")
+            print(f"stopped by --max-steps after {result['steps']} optimizer steps, before the end of "
+                  f"{result['epochs']} epoch(s): {result['samples_trained']} samples trained")
         if result["model_state_bytes"]:
             held, formula = result["model_state_bytes"], result["model_state_formula_bytes"]
             print("model state held by rank 0: " + ", ".join(f"{name.replace('_', ' ')} {held[name] / 2**20:.2f} MB"
