@@ -766,7 +766,8 @@ class Trainer:
         """The first lines every script prints: what this run is."""
         strategy = self.strategy
         self.log(f"model: {self.model_name} ({parameter_count(self.model):,} parameters) | "
-                 f"learning rate: {self.lr:g} | processes: {strategy.world_size} | global batch: {self.global_batch_size} | "
+                 f"learning rate: {self.lr:g} | processes: {strategy.world_size} | "
+                 f"global batch: {self.global_batch_size} | "
                  f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)} | "
                  f"threads per process: {self.threads}")
         if not self.native_precision:
