@@ -10,6 +10,7 @@
     python benchmark.py --grad-accum 4 --batch-size 8    # gradient accumulation, each library its own way
     python benchmark.py --profile 5                      # where a step's time goes, phase by phase
     python benchmark.py --max-samples 2000 --lr 5e-4     # options it does not know go to every script
+    python benchmark.py --real-size                      # the real model's architecture, a few steps per row
 
 Each strategy trains with the same model, data, seed, learning rate, epochs and batch per device
 (per process; DataParallel's one process gets it times its GPUs), so the global batch grows with
@@ -59,6 +60,7 @@ ROOT = common.ROOT
 # The launchers come from the same environment as this Python, so every strategy runs the same libraries.
 BIN = Path(sys.executable).parent
 VERSIONED = ["torch", "transformers", "accelerate", "deepspeed", "horovod", "lightning_fabric"]
+DEFAULT_NPROCS = str(torch.cuda.device_count() or 2)  # a process per GPU, or 2 CPU processes
 SCRIPT_BATCH_SIZE = common.build_parser(__file__, "").get_default("batch_size")
 RESULTS_DIR = ROOT / "docs" / "results"
 
@@ -203,6 +205,23 @@ BUILT_IN_VARIANTS = DEFAULT_ROWS + [
 ]
 
 
+# --real-size: every default row and every ZeRO stage at 2 processes, the sharded rows also at 4 (to show
+# the 1/N), with the real model's architecture (--model base-shape) for a few steps each.
+REAL_SIZE_EXTRA_ROWS = ["deepspeed-zero1", "deepspeed-zero3"]
+REAL_SIZE_SHARDED_ROWS = {"deepspeed", "deepspeed-zero1", "deepspeed-zero3", "fsdp"}
+REAL_SIZE_COUNTS, REAL_SIZE_SHARDED_COUNTS = [2], [2, 4]
+# 4 steps: the model state is counted before step 2, --profile's 2 steps follow 2 warm-up steps. Batch 8
+# keeps a BERT-base step to seconds on a CPU core; 1,000 samples leave 80 dev samples to evaluate.
+REAL_SIZE_DEFAULTS = {"max_steps": 4, "profile": 2, "batch_size": 8, "max_samples": 1000}
+# One launch's resident memory per process, from a 2-process DDP run of base-shape (2.66 GB peak on rank 0):
+# the whole model state (16 bytes a parameter in fp32 with Adam, the unsharded rows' bound), 4 more for
+# DDP's gradient buckets or a gathered copy of the weights, and 1 GiB of libraries and activations at batch 8.
+BYTES_PER_PARAMETER, BYTES_BEYOND_PARAMETERS = 20, 2**30
+# A launch's cost besides its steps: launcher, imports, building BERT-base, evaluating, saving its 400 MB.
+# Measured: 56 s (DDP) to 173 s (DeepSpeed ZeRO-3, 4 processes) on 2 loaded cores, 120 s on average.
+LAUNCH_SECONDS = 120
+
+
 def why_not_ready(entry, command):
     """The reason `entry` cannot be launched at all, or None."""
     if not (ROOT / entry.script).is_file():
@@ -231,7 +250,7 @@ def parse_args(argv=None):
     parser.add_argument("--strategy-args", action="append", default=[], metavar='STRATEGY="OPTIONS"',
                         help="options for every row of one strategy only, e.g. deepspeed=\"--zero-stage 3\" "
                              "(repeatable)")
-    parser.add_argument("--nprocs", default=str(torch.cuda.device_count() or 2),
+    parser.add_argument("--nprocs", default=DEFAULT_NPROCS,
                         help="processes (GPUs) per distributed row; a list like 1,2,4 runs a scaling sweep "
                              "(default: all GPUs, or 2 without GPU: %(default)s here)")
     parser.add_argument("--model",
@@ -239,6 +258,14 @@ def parse_args(argv=None):
                              "machine with GPUs; tiny without, where the real model would take hours)")
     parser.add_argument("--max-samples", type=int, help="passed to every script (default: the scripts' 10000)")
     parser.add_argument("--epochs", type=int, help="passed to every script (default: the scripts' 1)")
+    parser.add_argument("--max-steps", type=int, metavar="N",
+                        help="every script stops after N optimizer steps, then evaluates (default: the whole epochs)")
+    parser.add_argument("--real-size", action="store_true",
+                        help="the real model's architecture (--model base-shape, random weights): every default row "
+                             "and ZeRO-1/3 at 2 processes, the sharded rows also at 4, with --max-steps "
+                             f"{REAL_SIZE_DEFAULTS['max_steps']} --profile {REAL_SIZE_DEFAULTS['profile']} "
+                             f"--batch-size {REAL_SIZE_DEFAULTS['batch_size']} --max-samples "
+                             f"{REAL_SIZE_DEFAULTS['max_samples']} unless given; estimates its duration first")
     parser.add_argument("--repeat", type=int, default=1,
                         help="launches per row, interleaved round-robin over the rows; the table shows the median "
                              "run, the min-max spread and the noise floor (default: 1)")
@@ -322,7 +349,9 @@ def names(option, value, known):
 
 
 def check_args(args, passthrough):
-    for name in ("repeat", "max_samples", "epochs", "batch_size", "global_batch", "profile"):
+    if args.real_size:
+        apply_real_size(args)
+    for name in ("repeat", "max_samples", "epochs", "max_steps", "batch_size", "global_batch", "profile"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -332,7 +361,8 @@ def check_args(args, passthrough):
     own = [parse_variant(value) for value in args.variant]
     args.variants = {variant.name: variant for variant in BUILT_IN_VARIANTS + own}
     args.strategy_options = parse_strategy_args(args.strategy_args)
-    chosen = names("--only", args.only, args.variants) if args.only else [v.name for v in DEFAULT_ROWS + own]
+    defaults = [v.name for v in DEFAULT_ROWS + own] + (REAL_SIZE_EXTRA_ROWS if args.real_size else [])
+    chosen = names("--only", args.only, args.variants) if args.only else defaults
     skip = names("--skip", args.skip, args.variants) if args.skip else []
     args.rows = [args.variants[name] for name in dict.fromkeys(chosen) if name not in skip]
     if not args.rows and not args.list:
@@ -349,6 +379,19 @@ def check_args(args, passthrough):
     args.passthrough = passthrough
     args.output_dir = Path(args.output_dir).resolve()
     return args
+
+
+def apply_real_size(args):
+    """--real-size: base-shape at 2 processes (the plan adds 4 for the sharded rows), and the plan's
+    defaults where the command line gives none."""
+    if args.model not in (None, "base-shape"):
+        raise common.UserError(f"--real-size trains --model base-shape, not {args.model}: leave --model out")
+    if args.nprocs != DEFAULT_NPROCS:
+        raise common.UserError("--real-size runs 2 processes per row, and 4 for the sharded ones: leave --nprocs out")
+    args.model, args.nprocs = "base-shape", ",".join(map(str, REAL_SIZE_COUNTS))
+    for name, value in REAL_SIZE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def list_rows(variants):
@@ -390,6 +433,8 @@ def script_options(args, variant, run_dir, model, gpus, nprocs):
         options += ["--max-samples", str(args.max_samples)]
     if args.epochs:
         options += ["--epochs", str(args.epochs)]
+    if args.max_steps:
+        options += ["--max-steps", str(args.max_steps)]
     if args.precision and entry.mixed_precision:
         options += ["--precision", args.precision]
     if args.grad_accum:
@@ -406,8 +451,10 @@ def plan(args, gpus):
     for variant in args.rows:
         entry = STRATEGIES[variant.strategy]
         counts = args.counts if entry.distributed else [1 if entry.name == "single" else args.counts[-1]]
+        if args.real_size and variant.name in REAL_SIZE_SHARDED_ROWS:
+            counts = REAL_SIZE_SHARDED_COUNTS
         for nprocs in counts:
-            sweep = entry.distributed and len(args.counts) > 1
+            sweep = entry.distributed and len(counts) > 1
             name = f"{variant.name}-n{nprocs}" if sweep else variant.name
             cells.append({"row": name, "variant": variant.name, "strategy": entry.name, "script": entry.script,
                           "launcher": entry.launcher, "nprocs": nprocs, "options": list(variant.options),
@@ -420,6 +467,89 @@ def not_runnable(variant, gpus):
     if variant.needs_gpu and not gpus:
         return f"{variant.name} needs a GPU ({variant.about})"
     return None
+
+
+# ----------------------------------------------------------------------------- a real-size plan
+
+def bert_parameters(config, labels):
+    """BertForSequenceClassification's parameter count from its config's shapes, without building it."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    embeddings = hidden * (config["vocab_size"] + config["max_position_embeddings"] + config["type_vocab_size"])
+    layer_norm = 2 * hidden
+    layer = 4 * (hidden * hidden + hidden) + (hidden * inner + inner) + (inner * hidden + hidden) + 2 * layer_norm
+    pooler, classifier = hidden * hidden + hidden, hidden * labels + labels
+    return embeddings + layer_norm + config["num_hidden_layers"] * layer + pooler + classifier
+
+
+def available_memory_bytes():
+    """Memory the kernel can give new processes now (MemAvailable): other jobs' memory is not ours."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise common.UserError("cannot read MemAvailable from /proc/meminfo: the memory check needs Linux")
+
+
+def processes(cell):
+    """The processes a cell's launch starts (DataParallel's and single's one, whatever --nprocs)."""
+    return cell["nprocs"] if STRATEGIES[cell["strategy"]].distributed else 1
+
+
+def check_memory(cells, parameters, available):
+    """Refuse, before any model is built, a plan whose largest launch would not fit in `available` bytes."""
+    largest = max(cells, key=processes)
+    needed = processes(largest) * (BYTES_PER_PARAMETER * parameters + BYTES_BEYOND_PARAMETERS)
+    if needed > available:
+        raise common.UserError(f"this plan needs about {needed / 2**30:.1f} GiB for {largest['row']} "
+                               f"({processes(largest)} processes of {parameters / 1e6:.1f} M parameters) but "
+                               f"{available / 2**30:.1f} GiB is available: run fewer processes (--only) or free memory")
+    return needed
+
+
+def time_one_step(args):
+    """Seconds of a steady base-shape training step here on one thread, at the plan's batch: the first
+    step (Adam creates its state) is not timed, the second is. One thread, as each process of a
+    2-process row gets on 2 cores; timing on all cores would also time how the threads of a loaded
+    machine wait for each other."""
+    batch_size = args.batch_size or SCRIPT_BATCH_SIZE
+    texts = [text for text, _ in common.load_records(ROOT / "data" / "train.json")[:batch_size]]
+    tokenizer, model = common.build_base_shape_model(texts, 0, {"num_labels": len(common.LABELS)})
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    labels = torch.zeros(len(texts), dtype=torch.long)
+    optimizer = common.make_optimizer(model, 1e-4, 0.01)
+    seconds, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    for _ in range(2):
+        start = time.perf_counter()
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    return seconds[-1]
+
+
+def estimate_seconds(cells, step_seconds, args):
+    """The plan's duration from a step timed on one thread: each launch's fixed cost, then its steps
+    and its evaluation. N processes, each with its own batch, share the machine's cores: a step takes
+    N / cores times the one-thread step. The dev batches are split over the processes, each a forward
+    pass, about a third of a step."""
+    cores = common.usable_cores()
+    dev_batches = round((args.max_samples or 10000) * 0.08) / (args.batch_size or SCRIPT_BATCH_SIZE)
+    evaluation = step_seconds * dev_batches / 3 / cores
+    return sum(LAUNCH_SECONDS + step_seconds * processes(cell) / cores * args.max_steps + evaluation
+               for cell in cells) * args.repeat
+
+
+def announce_real_size(args, cells):
+    """Check the plan's memory, time a step, and say what the plan will take before it starts."""
+    parameters = bert_parameters(common.base_shape_config(), len(common.LABELS))
+    needed = check_memory(cells, parameters, available_memory_bytes())
+    print(f"real size: {parameters:,} parameters; the largest launch needs about {needed / 2**30:.1f} GiB",
+          flush=True)
+    step_seconds = time_one_step(args)
+    minutes = estimate_seconds(cells, step_seconds, args) / 60
+    print(f"real size: a base-shape step took {step_seconds:.1f} s here (one thread, batch "
+          f"{args.batch_size}): {len(cells) * args.repeat} launches, about {minutes:.0f} minutes in all", flush=True)
 
 
 # ----------------------------------------------------------------------------- running
@@ -692,6 +822,10 @@ def resolve_model(choice, gpus):
         elif choice in (None, "auto"):
             note += f"; chosen because {relative(common.LOCAL_MODEL_DIR)} is absent and the hub is unreachable"
         return model, note
+    if model == "base-shape":
+        parameters = bert_parameters(common.base_shape_config(), len(common.LABELS))
+        return model, (f"the architecture of {common.HUB_MODEL_ID} (BERT-base, {parameters:,} parameters), "
+                       f"{common.RANDOM_WEIGHTS_BANNER}")
     return model, None
 
 
@@ -703,7 +837,7 @@ DETAIL_COLUMNS = ["row", "strategy", "launcher", "threads", "device", "tokens+pa
                   "options"]
 SCALING_COLUMNS = ["row", "processes", "samples/s", "speed-up vs 1 process", "scaling efficiency"]
 MEMORY_COLUMNS = ["row", "processes", "weights MB", "gradients MB", "optimizer state MB", "model state MB",
-                  "ZeRO formula MB"]
+                  "ZeRO formula MB", "peak MB", "beyond model state MB"]
 PHASE_COLUMNS = ["row", "step ms", "data loading", "forward", "backward", "optimizer step", "exposed comm.",
                  "overlapped comm.", "collectives: ms per step (exposed), phase"]
 MODEL_STATE_PARTS = ("parameters", "gradients", "optimizer_state")
@@ -767,7 +901,8 @@ def memory_cells(row):
     held, formula = row["model_state_bytes"], row["model_state_formula_bytes"]
     stage = f" (stage {formula['zero_stage']})" if formula["zero_stage"] else ""
     return [row_label(row), str(row["processes"])] + [f"{held[part] / 2**20:.2f}" for part in MODEL_STATE_PARTS] + [
-        f"{held['total'] / 2**20:.2f}", f"{formula['total'] / 2**20:.2f}{stage}"]
+        f"{held['total'] / 2**20:.2f}", f"{formula['total'] / 2**20:.2f}{stage}", f"{row['peak_memory_mb']:.0f}",
+        f"{row['peak_memory_mb'] - held['total'] / 2**20:.0f}"]
 
 
 def phase_cells(row):
@@ -803,7 +938,8 @@ def header_lines(report):
     data = f"{done[0]['train_samples']} train samples, {done[0]['epochs']} epoch(s), " if done else ""
     precision = (f"--precision {report['precision']} where a strategy offers it, else fp32" if report["precision"]
                  else "fp32 except ddp-amp")
-    lines.append(f"runs: {data}{batch}, {precision}, --nprocs {report['nprocs']}, "
+    stop = f"--max-steps {report['max_steps']} then the whole dev set, " if report.get("max_steps") else ""
+    lines.append(f"runs: {data}{stop}{batch}, {precision}, --nprocs {report['nprocs']}, "
                  f"{report['repeat']} launch(es) per row" +
                  (", interleaved; median run shown, min-max in brackets" if report["repeat"] > 1 else "") +
                  f", finished {report['finished']}")
@@ -829,7 +965,9 @@ DETAIL_LEGEND = ("threads: torch threads per process. tokens+pad: real tokens an
 MEMORY_LEGEND = ("Model state held by each process at its optimizer step (rank 0), counted from its tensors: the "
                  "weights, the gradients and the optimizer state (Adam's moments, and the fp32 master weights "
                  "DeepSpeed keeps). ZeRO formula: what the ZeRO paper predicts for the row's stage, precision and "
-                 "processes; docs/anatomy.md explains each difference.")
+                 "processes; docs/anatomy.md explains each difference. peak MB: as in the details (on a CPU the "
+                 "process's peak resident memory, libraries included); beyond model state: peak MB - model state "
+                 "(activations, buffers, communication buckets, and on a CPU the libraries).")
 PHASE_LEGEND = ("Milliseconds per recorded step on rank 0 (--profile): the phases add up to the step. Communication "
                 "that runs while the process computes is overlapped; what the process waits for is exposed, and "
                 "is taken out of the phase that waited.")
@@ -1053,7 +1191,9 @@ PUBLISHED_PAGE = ROOT / "docs" / "benchmark.md"
 
 def publish(report, output_dir):
     """Copy the run to docs/results/<machine>/ and show its table on docs/benchmark.md, verbatim."""
-    target = RESULTS_DIR / machine_slug(report["machine"])
+    # A real-size run keeps its own folder beside the machine's tiny-model benchmark.
+    folder = machine_slug(report["machine"]) + ("-base-shape" if report["model"] == "base-shape" else "")
+    target = RESULTS_DIR / folder
     target.mkdir(parents=True, exist_ok=True)
     for name in ("benchmark.md", "benchmark.json", "benchmark.png"):
         shutil.copyfile(output_dir / name, target / name)
@@ -1082,6 +1222,10 @@ def main():
     gpus = torch.cuda.device_count()
     model, model_note = resolve_model(args.model, gpus)
     cells = plan(args, gpus)
+    if args.real_size:
+        announce_real_size(args, cells)
+    # The distributed rows' process counts (--real-size adds 4 for the sharded rows).
+    counts = {cell["nprocs"] for cell in cells if STRATEGIES[cell["strategy"]].distributed} or set(args.counts)
     report = {
         "machine": describe_machine(),
         "versions": library_versions(),
@@ -1089,7 +1233,8 @@ def main():
         "model": relative(model) if Path(model).is_dir() else model,
         "model_note": model_note,
         "nprocs": args.nprocs,
-        "counts": args.counts,
+        "counts": sorted(counts),
+        "max_steps": args.max_steps,
         "repeat": args.repeat,
         "spread": "min-max over the repeats; the row is the run with the median training time",
         "noise_floor": None,

@@ -38,7 +38,11 @@ ROOT = Path(__file__).resolve().parent
 LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
 HUB_MODEL_ID = "hfl/chinese-bert-wwm-ext"
 LOCAL_MODEL_DIR = ROOT / "model_hub" / "chinese-bert-wwm-ext"
-DEFAULT_LR = {"tiny": 1e-3, "pretrained": 3e-5}
+# The real model's architecture, from its published config.json: --model base-shape builds it offline.
+BASE_SHAPE_CONFIG = ROOT / "configs" / "models" / "chinese-bert-wwm-ext.json"
+# Models with random weights learn from scratch (a higher rate); BERT-base's depth needs a lower one than tiny's.
+DEFAULT_LR = {"tiny": 1e-3, "base-shape": 1e-4, "pretrained": 3e-5}
+RANDOM_WEIGHTS_BANNER = "random weights: figures compare strategies, not models"
 # A training checkpoint (--save-steps, --resume): the state, and what its step means, readable by a person.
 CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -99,17 +103,22 @@ def build_parser(script_file, description):
     stem = Path(script_file).stem
     parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="auto",
-                        help="'auto' (local weights, else the hub, else tiny), 'tiny', a folder or a hub id")
+                        help="'auto' (local weights, else the hub, else tiny), 'tiny', 'base-shape' (the real model's "
+                             "architecture, random weights, offline), a folder or a hub id")
     parser.add_argument("--data", default=str(ROOT / "data" / "train.json"), help="JSON list of [text, label]")
     parser.add_argument("--max-samples", type=int, default=10000, help="use the first N records")
     parser.add_argument("--dev-ratio", type=float, default=0.08, help="share of samples held out for dev")
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=0, metavar="N",
+                        help="stop after N optimizer steps (at most --epochs' worth), then evaluate on the whole dev "
+                             "set as usual; 0 = every step of --epochs")
     parser.add_argument("--batch-size", type=int, default=32, help="per process and micro-batch")
     parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
                         help="micro-batches per optimizer step (gradient accumulation): the global batch is "
                              "--batch-size x processes x N")
     parser.add_argument("--lr", type=float, default=None,
-                        help=f"default {DEFAULT_LR['tiny']} for the tiny model, {DEFAULT_LR['pretrained']} otherwise")
+                        help=f"default {DEFAULT_LR['tiny']} for the tiny model, {DEFAULT_LR['base-shape']} for "
+                             f"base-shape, {DEFAULT_LR['pretrained']} otherwise")
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--max-seq-len", type=int, default=128, help="longer texts are truncated")
     parser.add_argument("--seed", type=int, default=123)
@@ -160,7 +169,7 @@ def add_precision_arg(parser, default="fp32", default_help=None):
 def check_args(args):
     if args.max_samples < 2:
         raise UserError(f"--max-samples must be at least 2, got {args.max_samples}")
-    for name in ("save_steps", "profile"):
+    for name in ("save_steps", "profile", "max_steps"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     if not 0 < args.dev_ratio < 1:
@@ -492,25 +501,64 @@ def hub_has(model_id):
         return False
 
 
+def character_vocabulary(train_texts):
+    """BERT's special tokens, then the characters of the training texts, most frequent first.
+
+    BERT's tokenizer splits Chinese into characters but keeps Latin words and digits whole, then
+    cuts them into "##"-continued pieces: every character comes in both forms.
+    """
+    counts = collections.Counter(char for text in train_texts for char in text.lower())
+    chars = sorted(counts, key=lambda char: (-counts[char], char))
+    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + [f"##{char}" for char in chars]
+
+
+def randomly_initialised(vocab, config, seed):
+    """A tokenizer over `vocab` and a BERT classifier of `config` with weights drawn from `seed`."""
+    tokenizer = transformers.BertTokenizer(vocab={token: i for i, token in enumerate(vocab)})
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.BertForSequenceClassification(config)
+    return tokenizer, model
+
+
 def build_tiny_model(train_texts, seed, config_overrides):
     """A 2-layer BERT (hidden 128) with a character vocabulary from the training texts.
 
     Deterministic from the texts and the seed, built in a second, no download: what tests and
     machines without the real weights use.
     """
-    counts = collections.Counter(char for text in train_texts for char in text.lower())
-    chars = sorted(counts, key=lambda char: (-counts[char], char))
-    # BERT's tokenizer splits Chinese into characters but keeps Latin words and digits whole,
-    # then cuts them into "##"-continued pieces: give every character both forms.
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + [f"##{char}" for char in chars]
-    tokenizer = transformers.BertTokenizer(vocab={token: i for i, token in enumerate(vocab)})
+    vocab = character_vocabulary(train_texts)
     config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=128, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=512, max_position_embeddings=512,
                                      **config_overrides)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = transformers.BertForSequenceClassification(config)
-    return tokenizer, model
+    return randomly_initialised(vocab, config, seed)
+
+
+def base_shape_config():
+    """The architecture values of hfl/chinese-bert-wwm-ext's published config.json."""
+    return read_json_object(BASE_SHAPE_CONFIG, "model config")["config"]
+
+
+def build_base_shape_model(train_texts, seed, config_overrides):
+    """hfl/chinese-bert-wwm-ext's exact architecture (BERT-base, vocabulary 21,128) with random weights.
+
+    The tokenizer knows the tiny model's characters; unused tokens fill the vocabulary up to the
+    real size, so that the embedding matrix, and with it every figure of memory and communication,
+    has the real model's shape. Deterministic from the texts and the seed, no download.
+    """
+    values = base_shape_config()
+    vocab = character_vocabulary(train_texts)
+    if len(vocab) > values["vocab_size"]:
+        raise UserError(f"the training texts have {len(vocab)} tokens, more than base-shape's vocabulary of "
+                        f"{values['vocab_size']}: use fewer --max-samples")
+    vocab += [f"[unused{i}]" for i in range(values["vocab_size"] - len(vocab))]
+    return randomly_initialised(vocab, transformers.BertConfig(**values, **config_overrides), seed)
+
+
+def parameter_count(model):
+    """The model's parameters, whole even where a strategy shards them (DeepSpeed ZeRO-3 keeps the
+    whole count in ds_numel; an FSDP2 DTensor's numel() is the whole tensor's)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def load_model(args, train_texts, name):
@@ -523,6 +571,8 @@ def load_model(args, train_texts, name):
                          classifier_dropout=args.dropout)
     if name == "tiny":
         tokenizer, model = build_tiny_model(train_texts, args.seed, overrides)
+    elif name == "base-shape":
+        tokenizer, model = build_base_shape_model(train_texts, args.seed, overrides)
     else:
         tokenizer, model = load_pretrained(name, args.seed, overrides)
     max_positions = model.config.max_position_embeddings
@@ -531,7 +581,7 @@ def load_model(args, train_texts, name):
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing: the form DDP, FSDP2 and the rest accept without special cases.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    lr = args.lr if args.lr is not None else DEFAULT_LR["tiny" if name == "tiny" else "pretrained"]
+    lr = args.lr if args.lr is not None else DEFAULT_LR.get(name, DEFAULT_LR["pretrained"])
     return tokenizer, model, name, lr
 
 
@@ -729,7 +779,8 @@ class Trainer:
     def log_start(self):
         """The first lines every script prints: what this run is."""
         strategy = self.strategy
-        self.log(f"model: {self.model_name} | learning rate: {self.lr:g} | processes: {strategy.world_size} | "
+        self.log(f"model: {self.model_name} ({parameter_count(self.model):,} parameters) | "
+                 f"learning rate: {self.lr:g} | processes: {strategy.world_size} | "
                  f"global batch: {self.global_batch_size} | "
                  f"train samples: {len(self.train_loader.dataset)} | dev samples: {len(self.dev_loader.dataset)} | "
                  f"threads per process: {self.threads}")
@@ -747,8 +798,7 @@ class Trainer:
         measure.inject_failure(self.strategy, first_step)  # the tests' SUITE_FAIL_AT
         profile = None
         if self.args.profile:
-            steps_left = len(self.train_loader.batch_sampler.micro_batches_per_step()) * self.args.epochs - first_step
-            profile = measure.StepProfile(self, self.args.profile, steps_left)
+            profile = measure.StepProfile(self, self.args.profile, self.total_steps() - first_step)
         with profile or contextlib.nullcontext():
             progress = self.train(first_step)
         metrics = self.evaluate()
@@ -807,13 +857,21 @@ class Trainer:
         self.log(f"--resume: continuing from step {state['step']} ({checkpoint})")
         return state["step"]
 
+    def epoch_steps(self):
+        """Optimizer steps in --epochs epochs."""
+        return len(self.train_loader.batch_sampler.micro_batches_per_step()) * self.args.epochs
+
+    def total_steps(self):
+        """The steps this run trains: --epochs' worth, or --max-steps when it stops sooner."""
+        return min(self.epoch_steps(), self.args.max_steps or self.epoch_steps())
+
     def train(self, first_step=0):
         """The training loop; returns what it did: seconds, steps, samples and tokens, last loss."""
         args, strategy = self.args, self.strategy
         sampler = self.train_loader.batch_sampler
         micro_batches_per_step = sampler.micro_batches_per_step()  # N, the last step of an epoch maybe fewer
         steps_per_epoch = len(micro_batches_per_step)
-        total_steps = steps_per_epoch * args.epochs
+        total_steps = self.total_steps()
         global_batch_sizes = sampler.global_batch_sizes()
         progress = tqdm(total=total_steps, initial=first_step, disable=not strategy.is_main, mininterval=1,
                         dynamic_ncols=True)
@@ -824,13 +882,14 @@ class Trainer:
         reset_peak_memory(strategy.device)
         synchronize(strategy.device)
         start = time.perf_counter()
-        for epoch in range(first_step // steps_per_epoch + 1, args.epochs + 1):
+        for epoch in range(first_step // steps_per_epoch + 1, math.ceil(total_steps / steps_per_epoch) + 1):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
             self.model.train()
             # On resume, pass over the micro-batches of the steps the checkpoint has already taken.
             done_this_epoch = max(0, first_step - (epoch - 1) * steps_per_epoch)
             batches = itertools.islice(self.train_loader, sum(micro_batches_per_step[:done_this_epoch]), None)
-            for step_in_epoch in range(done_this_epoch, steps_per_epoch):
+            last_step_in_epoch = min(steps_per_epoch, total_steps - (epoch - 1) * steps_per_epoch)  # --max-steps
+            for step_in_epoch in range(done_this_epoch, last_step_in_epoch):
                 # One optimizer step: the gradients of its micro-batches add up (--grad-accum), each
                 # sample weighed by 1 / (samples in the step), then one update.
                 micro_batches = micro_batches_per_step[step_in_epoch]
@@ -909,6 +968,7 @@ class Trainer:
             "device": device_description(strategy.device),
             "threads_per_process": self.threads,
             "model": self.model_name,
+            "parameters": parameter_count(self.model),
             "precision": strategy.precision,
             "precision_native": self.native_precision,
             "batch_size_per_process": args.batch_size,
@@ -916,6 +976,8 @@ class Trainer:
             "gradient_accumulation_steps": args.grad_accum,
             "epochs": args.epochs,
             "steps": progress["steps"],
+            "max_steps": args.max_steps or None,
+            "stopped_early": progress["steps"] < self.epoch_steps(),  # by --max-steps, before the last epoch's end
             "learning_rate": self.lr,
             "train_samples": len(self.train_loader.dataset),
             "samples_trained": progress["samples"],
@@ -948,6 +1010,9 @@ class Trainer:
         print(f"training loop only: {result['train_seconds']:.1f} s, {result['samples_per_second']:.1f} samples/s, "
               f"{result['tokens_per_sample']:.1f} tokens + {result['padded_tokens_per_sample']:.1f} padding "
               f"per sample, peak memory {result['peak_memory_mb']:.0f} MB (rank 0)")
+        if result["stopped_early"]:
+            print(f"stopped by --max-steps after {result['steps']} optimizer steps, before the end of "
+                  f"{result['epochs']} epoch(s): {result['samples_trained']} samples trained")
         if result["model_state_bytes"]:
             held, formula = result["model_state_bytes"], result["model_state_formula_bytes"]
             print("model state held by rank 0: " + ", ".join(f"{name.replace('_', ' ')} {held[name] / 2**20:.2f} MB"
@@ -1113,6 +1178,10 @@ def prepare_data(args, strategy):
     train_records, dev_records = split_records(records, args.max_samples, args.dev_ratio, args.seed)
     name = strategy.broadcast_object(resolve_model(args.model) if strategy.is_main else None)
     tokenizer, model, model_name, lr = load_model(args, [text for text, _ in train_records], name)
+    if name == "base-shape" and strategy.is_main:
+        banner = "=" * 78
+        print(f"{banner}\n base-shape: the architecture of {HUB_MODEL_ID} (BERT-base), {RANDOM_WEIGHTS_BANNER}"
+              f"\n{banner}", file=sys.stderr)
     train_set = EncodedDataset(train_records, tokenizer, args.max_seq_len)
     dev_set = EncodedDataset(dev_records, tokenizer, args.max_seq_len)
     return train_set, dev_set, tokenizer, model, model_name, lr

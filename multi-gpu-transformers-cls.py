@@ -263,6 +263,7 @@ def main():
         # policy, result.json and the printed lines.
         suite = common.Trainer(args, strategy, model, None, tokenizer, train_loader, dev_loader, model_name, lr)
         suite.log_start()
+        training_args.max_steps = suite.total_steps() if args.max_steps else -1  # --max-steps (-1: the epochs decide)
 
         # 5. The Trainer does what the DDP script writes by hand or takes from common.Trainer: moves
         #    the model to the device and wraps it in DistributedDataParallel (or hands it to

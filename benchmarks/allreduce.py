@@ -66,6 +66,8 @@ def gradient_elements(name, args):
     if name == "tiny":
         records = common.load_records(args.data)
         train_records, _ = common.split_records(records, args.max_samples, args.dev_ratio, args.seed)
+    elif name == "base-shape":
+        config = transformers.BertConfig(**common.base_shape_config(), num_labels=len(common.LABELS))
     else:
         # The test load_pretrained makes: anything else would go to the hub and retry for half a minute.
         if not Path(name).is_dir() and (name.startswith((".", "/")) or name.count("/") != 1):
@@ -122,7 +124,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     parser.add_argument("--model", default="auto",
                         help="whose gradient size to time: 'auto' (as the training scripts resolve it), 'tiny', "
-                             "a folder or a hub id")
+                             "'base-shape', a folder or a hub id")
     parser.add_argument("--data", default=str(common.ROOT / "data" / "train.json"),
                         help="the tiny model's vocabulary comes from this data's training split")
     parser.add_argument("--max-samples", type=int, default=10000, help="as the training scripts' option")

@@ -89,6 +89,7 @@ def test_predict_with_no_text(tmp_path):
 @pytest.mark.parametrize("option, value, fragment", [
     ("--lr", "-1", "--lr must be positive, got -1"),
     ("--weight-decay", "-0.1", "--weight-decay must be 0 or more"),
+    ("--max-steps", "-1", "--max-steps must be 0 or more, got -1"),
 ])
 def test_bad_numbers_are_refused_before_any_work(option, value, fragment):
     assert_clean_error(train(option, value, "--data", "no-such-file.json"), fragment)  # before the data is read

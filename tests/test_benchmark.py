@@ -130,6 +130,9 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--variant", "mine=fsdp1:--x"], "error: --variant mine: unknown strategy fsdp1"),
     (["--variant", "mine"], "error: --variant 'mine': write NAME=STRATEGY:\"OPTIONS\""),
     (["--strategy-args", "zero=--zero-stage 3"], "error: --strategy-args 'zero=--zero-stage 3': write STRATEGY="),
+    (["--real-size", "--model", "tiny"], "error: --real-size trains --model base-shape, not tiny"),
+    (["--real-size", "--nprocs", "3"], "error: --real-size runs 2 processes per row, and 4 for the sharded ones"),
+    (["--max-steps", "0"], "error: --max-steps must be at least 1, got 0"),
 ])
 def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
     process = run([PYTHON, "benchmark.py", *options, "--output-dir", str(tmp_path)], env=CPU_ONLY, check=False,

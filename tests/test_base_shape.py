@@ -1,0 +1,116 @@
+"""--model base-shape has the real model's shapes, and --max-steps cuts a run short.
+
+The figures that choose a strategy (model state per process, bytes communicated) depend on the
+architecture, not on the trained values: base-shape must have exactly the parameters of
+hfl/chinese-bert-wwm-ext, counted here from its published config, not by transformers' modules."""
+import json
+import math
+
+import pytest
+
+from conftest import BIN, PYTHON, ROOT, SMALL, free_port, read_result, run, small_split
+
+CONFIG = json.loads((ROOT / "configs" / "models" / "chinese-bert-wwm-ext.json").read_text())["config"]
+LABELS = 6
+
+
+def bert_classifier_parameters(config, labels):
+    """Parameters of BertForSequenceClassification, from the shapes its config implies."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    linear = lambda inputs, outputs: inputs * outputs + outputs  # weight and bias
+    layer_norm = 2 * hidden
+    embeddings = hidden * (config["vocab_size"] + config["max_position_embeddings"] + config["type_vocab_size"])
+    attention = 4 * linear(hidden, hidden) + layer_norm  # query, key, value, output
+    feed_forward = linear(hidden, inner) + linear(inner, hidden) + layer_norm
+    return (embeddings + layer_norm + config["num_hidden_layers"] * (attention + feed_forward)
+            + linear(hidden, hidden) + linear(hidden, labels))  # pooler, classifier
+
+
+def test_the_config_is_bert_base_as_published():
+    assert {key: CONFIG[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                         "intermediate_size", "max_position_embeddings", "type_vocab_size",
+                                         "vocab_size")} == {
+        "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+        "max_position_embeddings": 512, "type_vocab_size": 2, "vocab_size": 21128}
+    assert bert_classifier_parameters(CONFIG, LABELS) == pytest.approx(102.3e6, rel=1e-3)
+
+
+def test_base_shape_has_the_real_models_parameters_and_embedding():
+    import torch
+
+    import common
+    texts = [text for text, _ in small_split()[0]]
+    tokenizer, model = common.build_base_shape_model(texts, 123, {"num_labels": LABELS})
+    assert common.parameter_count(model) == sum(p.numel() for p in model.parameters())
+    assert common.parameter_count(model) == bert_classifier_parameters(CONFIG, LABELS)
+    assert model.bert.embeddings.word_embeddings.weight.shape == (CONFIG["vocab_size"], CONFIG["hidden_size"])
+    assert len(tokenizer) == CONFIG["vocab_size"]
+    # The training characters keep the tiny model's ids; unused tokens only fill the vocabulary up.
+    tiny_tokenizer, _ = common.build_tiny_model(texts, 123, {"num_labels": LABELS})
+    assert tokenizer(texts[:20])["input_ids"] == tiny_tokenizer(texts[:20])["input_ids"]
+    _, again = common.build_base_shape_model(texts, 123, {"num_labels": LABELS})
+    assert torch.equal(model.classifier.weight, again.classifier.weight)  # deterministic from the seed
+
+
+def test_ddp_at_real_size_holds_what_the_zero_formula_predicts(tmp_path):
+    """2 DDP processes, 2 steps: each holds BERT-base's whole model state, 16 bytes per parameter."""
+    output = tmp_path / "ddp"
+    run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--master-port", free_port(),
+         "multi-gpu-distributed-cls.py", *SMALL, "--model", "base-shape", "--max-samples", "120", "--dev-ratio", "0.1",
+         "--batch-size", "8", "--max-steps", "2", "--output-dir", str(output)])
+    result = read_result(output)
+    parameters = bert_classifier_parameters(CONFIG, LABELS)
+    assert result["parameters"] == parameters
+    held, formula = result["model_state_bytes"], result["model_state_formula_bytes"]
+    assert formula["total"] == 16 * parameters  # fp32 weights and gradients, Adam's two moments
+    for part in ("parameters", "gradients", "optimizer_state"):
+        assert formula[part] <= held[part] <= formula[part] + 4096, part  # + Adam's step counters
+    assert (result["steps"], result["max_steps"], result["stopped_early"]) == (2, 2, True)
+    assert result["samples_trained"] == 2 * result["global_batch_size"]
+    assert result["dev_samples"] == 12  # the whole dev set, evaluated after the early stop
+
+
+@pytest.mark.parametrize("script", ["single-gpu-cls.py", "multi-gpu-transformers-cls.py"])
+def test_max_steps_stops_training_and_evaluates(tmp_path, script):
+    """common.Trainer's loop and transformers.Trainer's (its TrainingArguments.max_steps) stop alike."""
+    run([PYTHON, script, *SMALL, "--max-steps", "3", "--grad-accum", "2", "--batch-size", "8",
+         "--output-dir", str(tmp_path)])
+    result = read_result(tmp_path)
+    assert (result["steps"], result["max_steps"], result["stopped_early"]) == (3, 3, True)
+    assert result["samples_trained"] == 3 * 16
+    assert result["samples_per_second"] == pytest.approx(result["samples_trained"] / result["train_seconds"], rel=0.01)
+    assert result["dev_samples"] == 83
+
+
+def test_max_steps_beyond_the_epochs_trains_the_epochs(tmp_path):
+    run([PYTHON, "single-gpu-cls.py", *SMALL, "--max-samples", "100", "--max-steps", "1000",
+         "--output-dir", str(tmp_path)])
+    result = read_result(tmp_path)
+    assert result["steps"] == math.ceil(result["train_samples"] / result["global_batch_size"]) < 1000
+    assert (result["stopped_early"], result["samples_trained"]) == (False, result["train_samples"])
+
+
+def test_the_runner_counts_base_shape_from_its_config_alone():
+    import benchmark
+    assert benchmark.bert_parameters(CONFIG, LABELS) == bert_classifier_parameters(CONFIG, LABELS)
+
+
+def test_real_size_plan_runs_every_default_row_and_the_sharded_ones_at_4():
+    import benchmark
+    cells = benchmark.plan(benchmark.parse_args(["--real-size"]), gpus=0)
+    launched = {(cell["variant"], benchmark.processes(cell)) for cell in cells}
+    assert {variant.name for variant in benchmark.DEFAULT_ROWS} <= {variant for variant, _ in launched}
+    assert {("deepspeed-zero1", 4), ("deepspeed", 4), ("deepspeed-zero3", 4), ("fsdp", 4), ("ddp", 2),
+            ("single", 1)} <= launched
+    assert max(count for variant, count in launched if variant not in benchmark.REAL_SIZE_SHARDED_ROWS) == 2
+
+
+def test_real_size_refuses_a_plan_that_does_not_fit_in_memory():
+    import benchmark
+    import common
+    cells = benchmark.plan(benchmark.parse_args(["--real-size"]), gpus=0)
+    parameters = bert_classifier_parameters(CONFIG, LABELS)
+    # 4 processes, each with 16 bytes of model state a parameter and more: over 4 x 16 x 102 M bytes.
+    assert benchmark.check_memory(cells, parameters, available=24 * 2**30) > 4 * 16 * parameters
+    with pytest.raises(common.UserError, match="needs about .* GiB for .*4 processes"):
+        benchmark.check_memory(cells, parameters, available=4 * 16 * parameters)
