@@ -187,9 +187,9 @@ def main():
     args = common.check_args(parser.parse_args())
     refuse_what_the_trainer_cannot_do(args)
 
-    # 1. One process alone (python), or one of several (torchrun): the Trainer reads the same
-    #    RANK / WORLD_SIZE / LOCAL_RANK variables the DDP script reads.
-    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
+    # 1. One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads
+    #    the same RANK / WORLD_SIZE / LOCAL_RANK variables the DDP script reads.
+    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or common.started_by_srun()
     rank, world_size, local_rank, local_world_size = (
         common.launch_environment(f"torchrun --nproc_per_node N {SCRIPT}") if launched else (0, 1, 0, 1))
     device = common.resolve_device(args.device, local_rank)
