@@ -76,6 +76,12 @@ def run(main):
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except (dist.DistNetworkError, dist.DistStoreError) as error:
+        # The rendezvous never came together within --dist-timeout: a wrong address, a blocked port, or
+        # a process (a node) that never started. Where is in the message; a traceback would add nothing.
+        print(f"error: rank {rank} could not reach the process group at {os.environ.get('MASTER_ADDR')}:"
+              f"{os.environ.get('MASTER_PORT')} within --dist-timeout: {str(error).splitlines()[0]}", file=sys.stderr)
+        sys.exit(1)
     except Exception as error:
         traceback.print_exc()
         print(f"error: rank {rank} failed: {type(error).__name__}: {error}", file=sys.stderr)

@@ -9,7 +9,8 @@
 # /etc/hosts, and one end of a veth pair named cluster0 (10.213.0.1 and 10.213.0.2), so the nodes
 # talk over a real network interface. Both see the host's filesystem: the repository is at the same
 # path on both, as on a cluster's shared filesystem. `up` and `down` are idempotent, and `down`
-# leaves nothing behind whatever state a failed `up` or test left.
+# leaves nothing behind whatever state a failed `up` or test left. $STATE_DIR/node-local is the one
+# folder the nodes do not share (a node's local disk), for the test of an unshared output folder.
 set -Eeuo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,13 +35,14 @@ install_packages() {
 }
 
 # Run a command inside a node: its network namespace, plus a fresh UTS namespace (its hostname) and
-# mount namespace (its own /etc/hosts). Not `ip netns exec`: that remounts /sys, which hides the
-# host's cgroup mounts, and slurmd then refuses to start.
+# mount namespace (its own /etc/hosts, and its own node-local folder: $STATE_DIR/node-local holds
+# different files on each node, like a node's local disk). Not `ip netns exec`: that remounts /sys,
+# which hides the host's cgroup mounts, and slurmd then refuses to start.
 on_node() {
     local node=$1; shift
-    nsenter --net="/run/netns/$NAMESPACE_PREFIX$node" unshare --uts --mount \
-        sh -c 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"' \
-        "$node" "$STATE_DIR/hosts" "$@"
+    nsenter --net="/run/netns/$NAMESPACE_PREFIX$node" unshare --uts --mount sh -c \
+        'hostname "$0" && mount --bind "$1/hosts" /etc/hosts && mount --bind "$1/$0-local" "$1/node-local" &&
+         shift && exec "$@"' "$node" "$STATE_DIR" "$@"
 }
 
 create_network() {
@@ -61,7 +63,8 @@ create_network() {
 }
 
 start_daemons() {
-    mkdir -p "$STATE_DIR/munge" "$STATE_DIR/slurmctld" "$STATE_DIR/node1" "$STATE_DIR/node2"
+    mkdir -p "$STATE_DIR/munge" "$STATE_DIR/slurmctld" "$STATE_DIR/node-local"
+    for node in "${NODES[@]}"; do mkdir -p "$STATE_DIR/$node" "$STATE_DIR/$node-local"; done
     # The cluster's own munge key: a job is only accepted from this cluster's own daemons.
     (umask 077 && head -c 1024 /dev/urandom >"$STATE_DIR/munge/munge.key")
     munged --force --socket="$STATE_DIR/munge/munge.socket" --key-file="$STATE_DIR/munge/munge.key" \
