@@ -4,6 +4,11 @@
     torchrun --nproc_per_node 2 multi-gpu-transformers-cls.py                   # one process per GPU (or CPU share)
     torchrun --standalone --nproc_per_node 2 multi-gpu-transformers-cls.py      # a free port, not 29500
 
+    # two machines, the same line on each (under Slurm: SCRIPT=multi-gpu-transformers-cls.py
+    # sbatch slurm/torchrun.sbatch; see docs/several-machines.md):
+    torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 --rdzv-id JOB \\
+        multi-gpu-transformers-cls.py
+
     # DeepSpeed ZeRO through TrainingArguments(deepspeed=...): any config of configs/deepspeed/
     deepspeed --num_gpus 2 multi-gpu-transformers-cls.py --deepspeed configs/deepspeed/zero2.json
     torchrun --nproc_per_node 2 multi-gpu-transformers-cls.py --deepspeed configs/deepspeed/zero2.json
