@@ -31,6 +31,8 @@ install_packages() {
     command -v slurmctld >/dev/null && command -v munged >/dev/null && return
     command -v apt-get >/dev/null || die "slurm-wlm and munge are missing and there is no apt-get to install them"
     echo "installing slurm-wlm and munge ($SLURM_VERSION_NOTE) with apt-get"
+    # A fresh machine or container may have no package lists yet.
+    apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurm-wlm munge >/dev/null
 }
 
