@@ -81,7 +81,7 @@ def cluster():
     if os.geteuid() != 0:
         if os.environ.get("CI"):
             pytest.fail("CI must run the several-machines tests: they need root (network namespaces, Slurm)")
-        pytest.skip("the 2-node cluster needs root (network namespaces, Slurm daemons): run as root or with CI set")
+        pytest.skip("the 2-node cluster needs root (network namespaces, Slurm daemons): run the tests as root")
     try:
         run(["bash", str(CLUSTER), "up"], timeout=600)
         yield
