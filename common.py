@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -79,6 +80,12 @@ def run(main):
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except (dist.DistNetworkError, dist.DistStoreError) as error:
+        # The rendezvous never came together within --dist-timeout: a wrong address, a blocked port, or
+        # a process (a node) that never started. Where is in the message; a traceback would add nothing.
+        print(f"error: rank {rank} could not reach the process group at {os.environ.get('MASTER_ADDR')}:"
+              f"{os.environ.get('MASTER_PORT')} within --dist-timeout: {str(error).splitlines()[0]}", file=sys.stderr)
+        sys.exit(1)
     except Exception as error:
         traceback.print_exc()
         print(f"error: rank {rank} failed: {type(error).__name__}: {error}", file=sys.stderr)
@@ -86,7 +93,7 @@ def run(main):
 
 
 def current_rank():
-    for name in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
+    for name in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         if name in os.environ:
             return int(os.environ[name])
     return 0
@@ -189,10 +196,13 @@ def check_args(args):
 
 
 def launch_environment(how_to_launch):
-    """(rank, world size, local rank, processes on this machine) as the launcher set them, or one line
-    saying what is missing."""
+    """(rank, world size, local rank, processes on this machine) as the launcher set them, or as Slurm
+    set them for a plain `srun` of one task per process, or one line saying what is missing."""
+    if "RANK" not in os.environ and started_by_srun():
+        use_slurm_task_environment()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise UserError(f"this script runs under a launcher: {how_to_launch} (see the README)")
+        raise UserError(f"this script runs under a launcher: {how_to_launch}, or one srun task per process "
+                        "(see the README)")
     local = {"LOCAL_RANK": os.environ.get("LOCAL_RANK"),
              "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")}
     missing = [name for name, value in local.items() if value is None]
@@ -201,6 +211,75 @@ def launch_environment(how_to_launch):
                         "(this process's index on its machine, and the processes there), as torchrun does")
     return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(local["LOCAL_RANK"]),
             int(local["LOCAL_WORLD_SIZE"]))
+
+
+# ----------------------------------------------------------------------------- Slurm, no launcher
+
+# What srun sets in every task it starts. SLURM_STEP_ID is missing from the batch script itself, which
+# also has SLURM_PROCID 0 and the job's SLURM_NTASKS: a script started there without srun is one
+# process, not rank 0 of a group that would wait for the others until --dist-timeout.
+SLURM_TASK_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_ID")
+# The rendezvous port when MASTER_PORT is unset: one per job id, so that two jobs sharing a first node
+# do not meet each other's rendezvous (two steps of one job at once need a MASTER_PORT each).
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 10000
+# Set when srun, not a launcher, started this process: result.json names srun as its launcher.
+srun_started_this_process = False
+
+
+def started_by_srun():
+    return all(name in os.environ for name in SLURM_TASK_VARIABLES)
+
+
+def use_slurm_task_environment():
+    """Set what torchrun would have set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) from srun's SLURM_* variables. The rendezvous is the step's first node, where srun
+    starts rank 0; MASTER_ADDR and MASTER_PORT, when set, win."""
+    global srun_started_this_process
+    srun_started_this_process, env = True, os.environ
+    node_id = int(env["SLURM_NODEID"])
+    tasks_per_node = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env["SLURM_TASKS_PER_NODE"])
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"], LOCAL_RANK=env["SLURM_LOCALID"],
+               LOCAL_WORLD_SIZE=str(tasks_per_node[node_id]))
+    env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_NODELIST"]))
+    env.setdefault("MASTER_PORT", str(SLURM_PORT_BASE + int(env.get("SLURM_JOB_ID", 0)) % SLURM_PORT_SPAN))
+    if env["RANK"] == "0":
+        check_rendezvous_host(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        print(f"launcher: srun, one task per process: rank, world size and local rank from SLURM_PROCID, "
+              f"SLURM_NTASKS and SLURM_LOCALID; rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']} "
+              f"(the first node; MASTER_ADDR and MASTER_PORT override it)", flush=True)
+
+
+def expand_tasks_per_node(value):
+    """Slurm's compressed tasks per node, one count per node: '2(x3),1' -> [2, 2, 2, 1]."""
+    counts = []
+    for part in value.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts
+
+
+def first_host(nodelist):
+    """The first host of a Slurm node list, as `scontrol show hostnames` would list it first:
+    'gpu[07-09,12]-ib,cpu1' -> 'gpu07-ib'. Zero padding is kept: it is part of the name."""
+    prefix, ranges, suffix = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist).groups()
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "") + suffix
+
+
+def check_rendezvous_host(address, port):
+    """On rank 0, before anyone waits on it: the rendezvous address is this machine's, and its port free.
+    Otherwise the other processes would wait --dist-timeout seconds for a rendezvous that never comes."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((socket.gethostbyname(address), 0))
+        except OSError:
+            raise UserError(f"MASTER_ADDR {address} is not an address of {socket.gethostname()}, where rank 0 "
+                            "runs: leave MASTER_ADDR unset (the job's first node) or name this node") from None
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            raise UserError(f"MASTER_PORT {port} is already in use on {socket.gethostname()} (rank 0's node): "
+                            "set MASTER_PORT to a free port") from None
 
 
 def set_seed(seed):
@@ -963,7 +1042,7 @@ class Trainer:
         samples = max(progress["samples"], 1)
         return {
             "strategy": strategy.name,
-            "launcher": strategy.launcher,
+            "launcher": "srun" if srun_started_this_process else strategy.launcher,
             "world_size": strategy.world_size,
             "device": device_description(strategy.device),
             "threads_per_process": self.threads,

@@ -4,6 +4,11 @@
     torchrun --nproc_per_node 2 multi-gpu-transformers-cls.py                   # one process per GPU (or CPU share)
     torchrun --standalone --nproc_per_node 2 multi-gpu-transformers-cls.py      # a free port, not 29500
 
+    # two machines, the same line on each (under Slurm: SCRIPT=multi-gpu-transformers-cls.py
+    # sbatch slurm/torchrun.sbatch; see docs/several-machines.md):
+    torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 --rdzv-id JOB \\
+        multi-gpu-transformers-cls.py
+
     # DeepSpeed ZeRO through TrainingArguments(deepspeed=...): any config of configs/deepspeed/
     deepspeed --num_gpus 2 multi-gpu-transformers-cls.py --deepspeed configs/deepspeed/zero2.json
     torchrun --nproc_per_node 2 multi-gpu-transformers-cls.py --deepspeed configs/deepspeed/zero2.json
@@ -187,9 +192,9 @@ def main():
     args = common.check_args(parser.parse_args())
     refuse_what_the_trainer_cannot_do(args)
 
-    # 1. One process alone (python), or one of several (torchrun): the Trainer reads the same
-    #    RANK / WORLD_SIZE / LOCAL_RANK variables the DDP script reads.
-    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
+    # 1. One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads
+    #    the same RANK / WORLD_SIZE / LOCAL_RANK variables the DDP script reads.
+    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or common.started_by_srun()
     rank, world_size, local_rank, local_world_size = (
         common.launch_environment(f"torchrun --nproc_per_node N {SCRIPT}") if launched else (0, 1, 0, 1))
     device = common.resolve_device(args.device, local_rank)

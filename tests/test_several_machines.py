@@ -1,0 +1,194 @@
+"""Several machines, for real: the batch files of slurm/ on a 2-node Slurm cluster that
+scripts/cluster.sh builds on this machine (two network namespaces joined by a veth pair, each with
+its own hostname), and plain srun of one task per process.
+
+What this cannot show: NCCL or InfiniBand between hosts (there is no GPU and one kernel), nor a
+filesystem that is not shared (both nodes see the host's). See docs/several-machines.md.
+"""
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import common
+from conftest import (EXACT, DEV_SAMPLES, PYTHON, ROOT, SMALL, assert_same_weights, processes_mentioning,
+                      read_result, run)
+
+SLURM_TASK = {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+              "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_TASKS_PER_NODE": "2,1",
+              "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"}
+
+
+@pytest.fixture
+def slurm_task(monkeypatch):
+    """A copy of the environment as srun would set it in a task: what launch_environment writes there
+    goes with the copy, not into the later tests' jobs."""
+    launcher_set = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    task_environment = {name: value for name, value in os.environ.items() if name not in launcher_set}
+    monkeypatch.setattr(os, "environ", {**task_environment, **SLURM_TASK})
+    monkeypatch.setattr(common, "srun_started_this_process", False)
+
+
+def test_an_srun_task_takes_its_rank_and_rendezvous_from_slurm(slurm_task):
+    assert common.launch_environment("torchrun ...") == (1, 3, 0, 1)  # node 1 of "2,1" runs one task
+    assert os.environ["MASTER_ADDR"] == "gpu07"
+    assert os.environ["MASTER_PORT"] == str(15000 + 123456 % 10000)
+    assert common.srun_started_this_process
+
+
+def test_master_addr_and_port_set_by_the_user_win(slurm_task, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.9")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    common.launch_environment("torchrun ...")
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.9", "29999")
+
+
+def test_a_batch_script_without_srun_still_gets_the_launcher_error(slurm_task):
+    del os.environ["SLURM_STEP_ID"]  # the batch script itself: srun did not start this process
+    with pytest.raises(common.UserError, match="runs under a launcher"):
+        common.launch_environment("torchrun ...")
+
+
+@pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("node[1-2]", "node1"),
+                                             ("gpu[07-09,12]-ib,cpu1", "gpu07-ib"), ("cpu1,gpu[1-2]", "cpu1")])
+def test_the_first_host_of_a_node_list(nodelist, first):
+    assert common.first_host(nodelist) == first
+
+
+def test_tasks_per_node_expand():
+    assert common.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+# ----------------------------------------------------------------------------- on the 2-node cluster
+
+CLUSTER = ROOT / "scripts" / "cluster.sh"
+STATE_DIR = Path("/tmp/distributed-nlp-test-cluster")  # scripts/cluster.sh's; node-local differs per node
+INTERFACE = "cluster0"  # the veth end in each node
+# 2 nodes x 1 process x batch 16: the global batch 32 of single_reference. One thread each: the two
+# "machines" share this one's cores.
+TRAIN = [*SMALL, *EXACT, "--batch-size", "16", "--threads", "1"]
+BATCH_FILES = {"torchrun": [], "spawn": [], "srun": [], "accelerate": [],
+               "deepspeed": ["--zero-stage", "2", "--precision", "fp32"]}
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """scripts/cluster.sh up for the whole session, and down at the end whatever happened."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the several-machines tests: they need root (network namespaces, Slurm)")
+        pytest.skip("the 2-node cluster needs root (network namespaces, Slurm daemons): run the tests as root")
+    try:
+        run(["bash", str(CLUSTER), "up"], timeout=600)
+        yield
+    finally:
+        run(["bash", str(CLUSTER), "down"], timeout=120)
+
+
+def submit(batch_file, output_dir, *script_args, env=None, log=None, wait=True):
+    """sbatch a file of slurm/ on the cluster, 1 process per node; with `wait`, return (exit code, log)."""
+    log = log or Path(output_dir).with_suffix(".log")
+    command = ["bash", str(CLUSTER), "exec", "sbatch", "--wait", "--output", str(log),
+               *(["--ntasks-per-node=1"] if batch_file == "srun" else []),
+               f"slurm/{batch_file}.sbatch", *script_args]
+    job_env = {**os.environ, "OUTPUT_DIR": str(output_dir), "GPUS_PER_NODE": "1", "GLOO_SOCKET_IFNAME": INTERFACE,
+               **(env or {})}
+    process = subprocess.Popen(command, cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    if not wait:
+        return process, log
+    process.wait(timeout=600)
+    return process.returncode, log.read_text(encoding="utf-8", errors="replace")
+
+
+def error_lines(log):
+    return [line for line in log.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("batch_file", BATCH_FILES)
+def test_each_batch_file_trains_the_single_device_weights_on_two_nodes(cluster, single_reference, tmp_path,
+                                                                        batch_file):
+    output = tmp_path / "out"
+    exit_code, log = submit(batch_file, output, *TRAIN, *BATCH_FILES[batch_file])
+    assert exit_code == 0, log[-4000:]
+    result = read_result(output)
+    assert (result["world_size"], result["global_batch_size"], result["dev_samples"]) == (2, 32, DEV_SAMPLES)
+    assert_same_weights(single_reference / "model", output / "model")
+    if batch_file == "srun":
+        assert result["launcher"] == "srun" and "launcher: srun, one task per process" in log
+
+
+def rank_process(output_dir, rank):
+    """The training process of `rank` (its SLURM_PROCID under srun), found by its output folder."""
+    for process in processes_mentioning(str(output_dir)):
+        try:
+            if process.environ().get("SLURM_PROCID") == str(rank) and "python" in process.name():
+                return process
+        except Exception:
+            continue
+    return None
+
+
+def test_a_node_lost_mid_run_ends_the_job_and_a_resubmitted_resume_ends_on_the_uninterrupted_weights(
+        cluster, tmp_path):
+    # 22 steps, a checkpoint every 4: node2's process is killed once the first one is there.
+    two_epochs = ["--epochs", "2", "--save-steps", "4", "--dist-timeout", "60"]
+    uninterrupted = tmp_path / "uninterrupted"
+    run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--epochs", "2", "--threads", "1",
+         "--output-dir", str(uninterrupted)])
+
+    output = tmp_path / "out"
+    job, log = submit("srun", output, *TRAIN, *two_epochs, wait=False)
+    started = time.monotonic()
+    while not (output / "checkpoint").exists():
+        assert job.poll() is None, "the job ended before its first checkpoint"
+        time.sleep(0.05)
+    victim = rank_process(output, 1)
+    assert victim is not None, "node2's process was not found"
+    victim.send_signal(signal.SIGKILL)
+    job.wait(timeout=60)  # well within --dist-timeout: nothing waits on the lost node
+    assert job.returncode != 0
+    assert not (output / "result.json").exists(), "the job finished before the node was lost"
+    assert rank_process(output, 0) is None, "node1's process outlived the job"
+    print(f"node lost: job ended {time.monotonic() - started:.0f} s after submission")
+
+    exit_code, log_text = submit("srun", output, *TRAIN, *two_epochs, "--resume")
+    assert exit_code == 0, log_text[-4000:]
+    assert read_result(output)["resumed_from_step"] >= 4
+    assert_same_weights(uninterrupted / "model", output / "model")
+
+
+def test_an_output_folder_one_node_cannot_see_fails_the_job_in_one_line_before_training(cluster, tmp_path):
+    exit_code, log = submit("srun", STATE_DIR / "node-local" / tmp_path.name, *TRAIN, log=tmp_path / "job.log")
+    assert exit_code != 0
+    assert error_lines(log) == [line for line in error_lines(log) if "not on a filesystem every node shares" in line]
+    assert len(error_lines(log)) == 1 and "【train】" not in log, log[-4000:]
+
+
+def test_a_wrong_head_address_fails_in_one_line_before_training(cluster, tmp_path):
+    exit_code, log = submit("srun", tmp_path / "out", *TRAIN, "--dist-timeout", "60",
+                            env={"MASTER_ADDR": "10.213.0.99"})
+    assert exit_code != 0
+    assert len(error_lines(log)) == 1 and "MASTER_ADDR 10.213.0.99 is not an address of node1" in log, log[-4000:]
+    assert "【train】" not in log and "Traceback" not in log
+
+
+def test_a_port_already_taken_on_the_head_fails_in_one_line_before_training(cluster, tmp_path):
+    port = str(20000 + os.getpid() % 1000)
+    holder = subprocess.Popen(["bash", str(CLUSTER), "exec", PYTHON, "-c",
+                               f"import socket, time; s = socket.socket(); s.bind(('', {port})); s.listen(); "
+                               "print('listening', flush=True); time.sleep(300)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "listening"
+        exit_code, log = submit("srun", tmp_path / "out", *TRAIN, "--dist-timeout", "60", env={"MASTER_PORT": port})
+    finally:
+        holder.kill()
+        holder.wait()
+    assert exit_code != 0
+    assert len(error_lines(log)) == 1 and f"MASTER_PORT {port} is already in use on node1" in log, log[-4000:]
+    assert "【train】" not in log and "Traceback" not in log
