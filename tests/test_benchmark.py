@@ -149,8 +149,8 @@ def test_list_shows_every_row_and_a_variant_of_ones_own():
 
 
 def options_for(row, gpus=0, nprocs=2, **overrides):
-    values = dict(max_samples=None, epochs=None, batch_size=None, global_batch=None, precision=None, grad_accum=None,
-                  profile=None, passthrough=[], strategy_options={})
+    values = dict(max_samples=None, epochs=None, max_steps=None, batch_size=None, global_batch=None, precision=None,
+                  grad_accum=None, profile=None, passthrough=[], strategy_options={})
     args = argparse.Namespace(**{**values, **overrides})
     variants = {variant.name: variant for variant in benchmark.BUILT_IN_VARIANTS}
     return benchmark.script_options(args, variants[row], benchmark.ROOT / "out", "tiny", gpus, nprocs)
