@@ -155,3 +155,40 @@ def single_33(tmp_path_factory):
     """single-gpu-cls.py at batch 33: what 3 processes x 11 must equal (the last global batch, 2
     samples, cannot be shared by 3)."""
     return single_run(tmp_path_factory, 33)
+
+
+# What the suite costs, by file: seconds and the processes its tests launch (counted by Python's audit
+# hook for subprocess.Popen, so nothing is replaced). Printed at the end of every run; docs/tests.md
+# keeps the figures of a whole run on 2 cores.
+_cost = {}
+_current_file = [None]
+
+
+def _count_launches(event, _args):
+    if event == "subprocess.Popen" and _current_file[0] is not None:
+        _cost.setdefault(_current_file[0], [0.0, 0, 0])[2] += 1
+
+
+sys.addaudithook(_count_launches)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current_file[0] = item.nodeid.split("::")[0]
+    started = time.monotonic()
+    yield
+    cost = _cost.setdefault(_current_file[0], [0.0, 0, 0])
+    cost[0] += time.monotonic() - started
+    cost[1] += 1
+    _current_file[0] = None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _cost:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("cost by file: seconds (setup, call and teardown), tests, launched processes")
+    for name, (seconds, tests, launches) in sorted(_cost.items(), key=lambda item: -item[1][0]):
+        write(f"{seconds:8.1f} s {tests:4d} tests {launches:4d} launches  {name}")
+    write(f"{sum(c[0] for c in _cost.values()):8.1f} s {sum(c[1] for c in _cost.values()):4d} tests "
+          f"{sum(c[2] for c in _cost.values()):4d} launches  total")
