@@ -2,6 +2,7 @@
 script. Part of the quick tier (./test.sh --quick), a few minutes' check of a new install."""
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,21 @@ def import_failures():
 def test_library_imports(module, import_failures):
     require(module.split(".")[0])
     assert module not in import_failures, f"import {module} failed: {import_failures.get(module)}"
+
+
+def test_deepspeeds_cpu_ops_come_built_where_torch_is_a_cpu_build():
+    """scripts/build-deepspeed-ops.sh: without its wheel every fresh environment's first DeepSpeed run
+    compiles them (a minute or two). A CUDA build of torch keeps DeepSpeed's own just-in-time build."""
+    require("deepspeed")
+    import torch
+    if torch.version.cuda is not None:
+        pytest.skip("torch is a CUDA build: DeepSpeed compiles its ops for the GPU on first use")
+    metadata = importlib.util.find_spec("deepspeed.git_version_info_installed")
+    assert metadata is not None, "deepspeed was installed without any prebuilt op (scripts/build-deepspeed-ops.sh)"
+    installed = {}
+    exec(Path(metadata.origin).read_text(encoding="utf-8"), installed)
+    assert installed["installed_ops"]["cpu_adam"] and installed["installed_ops"]["deepspeed_shm_comm"], (
+        "DeepSpeed's CPU ops are not prebuilt: run scripts/build-deepspeed-ops.sh .venv/bin/python")
 
 
 # Each launcher, one process, the script's --help: the launcher finds the interpreter and the script

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# DeepSpeed with its two CPU ops built in: the shared-memory collectives every CPU run loads, and the
+# CPU Adam of optimizer offload. Installed from PyPI, DeepSpeed compiles them on first use into the torch
+# extensions cache, and compiles them again for every new environment (the cache is keyed to the
+# sources' paths): a minute or two of each fresh clone's first DeepSpeed run. Built once into a wheel,
+# cached beside Horovod's, they load at once. GPU machines keep DeepSpeed's own just-in-time build (a
+# CPU op is not used there), so this does nothing where torch is a CUDA build.
+#   scripts/build-deepspeed-ops.sh PYTHON      (scripts/setup-env.sh calls it)
+set -euo pipefail
+
+python=${1:?usage: build-deepspeed-ops.sh PYTHON}
+fail() { echo "error: $*" >&2; exit 1; }
+
+"$python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null || exit 0
+version=$("$python" -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null) \
+    || fail "$python cannot import deepspeed: install requirements.txt first"
+torch_version=$("$python" -c 'import torch; print(torch.__version__.replace("+", "_"))')
+python_tag=$("$python" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
+cache=${DEEPSPEED_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/distributed-nlp-suite/deepspeed-$version-cpu-ops-torch-$torch_version}
+mkdir -p "$cache"
+
+if ! compgen -G "$cache/deepspeed-$version-$python_tag-*.whl" >/dev/null \
+        && ! compgen -G "$cache/deepspeed-$version-py3-*.whl" >/dev/null; then
+    command -v g++ >/dev/null || fail "building DeepSpeed's CPU ops needs g++ (Debian/Ubuntu: apt-get install g++)"
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    echo "Building DeepSpeed $version with its CPU ops against torch $torch_version (a few minutes, once)..."
+    log="$cache/build.log"
+    start=$SECONDS
+    DS_ACCELERATOR=cpu DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 \
+        "$python" -m pip wheel --no-deps --no-build-isolation --no-binary deepspeed --no-cache-dir \
+        --wheel-dir "$work" "deepspeed==$version" > "$log" 2>&1 \
+        || { tail -n 30 "$log" >&2; fail "the DeepSpeed build failed (last lines above, full log: $log)"; }
+    built=$(echo "$work"/deepspeed-*.whl)
+    cp "$built" "$cache/.partial"
+    mv "$cache/.partial" "$cache/$(basename "$built")"
+    echo "Built DeepSpeed's CPU ops in $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
+fi
+"$python" -m pip install --quiet --no-deps --force-reinstall "$cache"/deepspeed-"$version"-*.whl
+"$python" -c 'from deepspeed.git_version_info import installed_ops; import sys
+sys.exit(not (installed_ops["cpu_adam"] and installed_ops["deepspeed_shm_comm"]))' \
+    || fail "the DeepSpeed wheel in $cache lacks its CPU ops: remove the folder and set up again"
