@@ -1,11 +1,16 @@
 """Helpers shared by the tests: run a script the way a user would, read what it wrote."""
+import contextlib
 import importlib.util
+import io
 import json
 import os
+import runpy
+import signal
 import subprocess
 import sys
 import sysconfig
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -65,6 +70,42 @@ def run(command, timeout=600, env=None, check=True):
         pytest.fail(f"{' '.join(map(str, command))} exited {process.returncode}\n"
                     f"--- stdout\n{process.stdout[-4000:]}\n--- stderr\n{process.stderr[-4000:]}")
     return process
+
+
+def run_in_process(command, env=None):
+    """Run `python SCRIPT ARGS...` in this interpreter, for checks that end before any training (a bad
+    option or input, a wrong launch): a new Python would spend its 5 s importing torch and transformers
+    for a fraction of a second of work. Returns what `run(..., check=False)` would: the exit status and
+    the two streams, with an uncaught exception's traceback on stderr as the interpreter prints it."""
+    script, *args = map(str, command)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved = dict(os.environ), sys.argv, os.getcwd(), signal.getsignal(signal.SIGTERM)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else None
+    os.environ.update(env or {})
+    sys.argv = [str(ROOT / script), *args]
+    os.chdir(ROOT)
+    returncode = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                runpy.run_path(str(ROOT / script), run_name="__main__")
+            except SystemExit as exit:
+                returncode = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+                if isinstance(exit.code, str):
+                    print(exit.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                returncode = 1
+    finally:
+        environment, sys.argv, cwd, sigterm = saved
+        os.environ.clear()
+        os.environ.update(environment)
+        os.chdir(cwd)
+        signal.signal(signal.SIGTERM, sigterm)
+        if threads:
+            sys.modules["torch"].set_num_threads(threads)
+    return subprocess.CompletedProcess(command, returncode, stdout.getvalue(), stderr.getvalue())
 
 
 def read_result(output_dir):
@@ -156,6 +197,28 @@ def single_33(tmp_path_factory):
     samples, cannot be shared by 3)."""
     return single_run(tmp_path_factory, 33)
 
+
+# The rows of the step and memory anatomy, one per sharding stage, each profiled for 3 steps. DeepSpeed's
+# ZeRO-3 keeps weights under 1e5 elements whole in every process: most of the tiny model's. Without that
+# threshold (zero3-sharded-all, a variant of one's own) it shards every weight, as FSDP2 does.
+PROFILED_ROWS = ["single", "ddp", "deepspeed-zero1", "deepspeed-zero2", "zero3-sharded-all", "fsdp"]
+
+
+@pytest.fixture(scope="session")
+def profiled_benchmark(tmp_path_factory):
+    """benchmark.py over PROFILED_ROWS at 2 processes, with an option for DeepSpeed's rows alone:
+    (output folder, {row: benchmark.json row}). test_anatomy.py reads the anatomy, test_benchmark.py
+    how variants and per-strategy options reach their rows."""
+    require("deepspeed")
+    output = tmp_path_factory.mktemp("profiled-benchmark")
+    config = output / "zero3.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    run([PYTHON, "benchmark.py", "--only", ",".join(PROFILED_ROWS), "--nprocs", "2", "--profile", "3",
+         "--variant", f"zero3-sharded-all=deepspeed:--zero-stage 3 --deepspeed-config {config}",
+         "--strategy-args", "deepspeed=--offload none",
+         "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
+         "--output-dir", str(output)], env=CPU_ONLY, timeout=1200)
+    return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}
 
 # What the suite costs, by file: seconds and the processes its tests launch (counted by Python's audit
 # hook for subprocess.Popen, so nothing is replaced). Printed at the end of every run; docs/tests.md

@@ -9,8 +9,8 @@ import torch
 import transformers
 
 import common
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_same_weights, load_weights,
-                      predict_dev_accuracy, read_result, require, run)
+from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_same_weights, load_weights,
+                      predict_dev_accuracy, read_result, require, run, run_in_process)
 
 SCRIPT = "multi-gpu-accelerate-cls.py"
 EQUIVALENCE = [*EXACT, "--batch-size", "16"]
@@ -101,8 +101,7 @@ def test_bf16_under_torchrun_trains_like_fp32(tmp_path, single_reference):
 
 
 def test_fp16_on_cpu_is_refused_rather_than_run_in_fp32(tmp_path):
-    process = run([PYTHON, SCRIPT, *SMALL, "--precision", "fp16", "--output-dir", str(tmp_path)],
-                  check=False, timeout=120)
+    process = run_in_process([SCRIPT, *SMALL, "--precision", "fp16", "--output-dir", str(tmp_path)])
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1].startswith("error: --precision fp16 needs a GPU")
 

@@ -1,16 +1,19 @@
-"""Bad input gets one clear line naming the problem and a non-zero exit, never a traceback."""
+"""Bad input gets one clear line naming the problem and a non-zero exit, never a traceback.
+
+Each check ends before training, so it runs the script in this interpreter (run_in_process); the
+two of the quick tier launch a Python of their own, as a user does."""
 import json
 
 import pytest
 
-from conftest import PYTHON, SAMPLES, SMALL, run
+from conftest import PYTHON, SAMPLES, SMALL, run, run_in_process
 
 
 def train(*extra, data=None):
-    args = [PYTHON, "single-gpu-cls.py", *SMALL, *extra]
+    args = ["single-gpu-cls.py", *SMALL, *extra]
     if data is not None:
         args += ["--data", str(data)]
-    return run(args, check=False, timeout=120)
+    return run_in_process(args)
 
 
 def assert_clean_error(process, *fragments):
@@ -48,7 +51,8 @@ def test_malformed_data_is_named_with_its_record(tmp_path, content, fragments):
 
 @pytest.mark.quick
 def test_missing_data_file(tmp_path):
-    assert_clean_error(train(data=tmp_path / "nope.json"), "data file not found", "nope.json")
+    process = run([PYTHON, "single-gpu-cls.py", *SMALL, "--data", str(tmp_path / "nope.json")], check=False)
+    assert_clean_error(process, "data file not found", "nope.json")
 
 
 def test_more_samples_than_the_data_has(tmp_path):
@@ -82,7 +86,7 @@ def test_predict_with_a_missing_checkpoint(tmp_path):
 
 
 def test_predict_with_no_text(tmp_path):
-    process = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path)], check=False)
+    process = run_in_process(["predict.py", "--checkpoint", str(tmp_path)])
     assert_clean_error(process, "no text to classify")
 
 
@@ -102,21 +106,20 @@ def test_an_output_dir_that_is_a_file_is_refused_before_training(tmp_path):
 
 
 def test_predict_refuses_an_empty_text(tmp_path):
-    process = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path), "你好", ""], check=False)
+    process = run_in_process(["predict.py", "--checkpoint", str(tmp_path), "你好", ""])
     assert_clean_error(process, "text 2 of the arguments is empty")
 
 
 @pytest.mark.parametrize("script", ["multi-gpu-distributed-cls.py", "multi-gpu-deepspeed-cls.py"])
 def test_a_launcher_without_local_rank_gets_one_line(script):
     """Some srun/mpirun wrappers set RANK and WORLD_SIZE but not the local ones."""
-    process = run([PYTHON, script, *SMALL], env={"RANK": "0", "WORLD_SIZE": "1"}, check=False, timeout=120)
+    process = run_in_process([script, *SMALL], env={"RANK": "0", "WORLD_SIZE": "1"})
     assert_clean_error(process, "not LOCAL_RANK and LOCAL_WORLD_SIZE")
 
 
 def test_nccl_asked_for_between_cpu_processes_gets_one_line():
     environment = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    process = run([PYTHON, "multi-gpu-distributed-cls.py", *SMALL, "--backend", "nccl"], env=environment,
-                  check=False, timeout=120)
+    process = run_in_process(["multi-gpu-distributed-cls.py", *SMALL, "--backend", "nccl"], env=environment)
     assert_clean_error(process, "--backend nccl needs GPUs")
 
 

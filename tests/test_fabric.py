@@ -9,8 +9,8 @@ import pytest
 import transformers
 
 import measure
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
-                      free_port, load_weights, predict_dev_accuracy, read_result, require, run,
+from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_no_process_left, assert_same_weights,
+                      free_port, load_weights, predict_dev_accuracy, read_result, require, run, run_in_process,
                       small_split, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-fabric-cls.py"
@@ -90,8 +90,7 @@ def test_a_failing_rank_ends_the_whole_job_and_is_named(tmp_path):
 
 
 def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
-    process = run([PYTHON, SCRIPT, *SMALL, "--fabric-strategy", "deepspeed", "--output-dir", str(tmp_path)],
-                  check=False, timeout=120)
+    process = run_in_process([SCRIPT, *SMALL, "--fabric-strategy", "deepspeed", "--output-dir", str(tmp_path)])
     assert process.returncode == 2
     assert process.stderr.strip().splitlines() == [
         "error: --fabric-strategy deepspeed needs CUDA GPUs (Fabric's DeepSpeedStrategy refuses the CPU); on CPU, "

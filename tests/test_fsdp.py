@@ -2,8 +2,8 @@
 failing-rank checks are in test_equivalence.py, test_resume.py and test_reliability.py."""
 import transformers
 
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, free_port,
-                      load_weights, predict_dev_accuracy, read_result, run, untrained_dev_loss)
+from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_same_weights, free_port, load_weights,
+                      predict_dev_accuracy, read_result, run, run_in_process, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-fsdp-cls.py"
 
@@ -49,8 +49,7 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     for options, message in ((["--offload"], "error: --offload moves the shards from GPU to CPU memory"),
                              (["--precision", "fp16"], "error: --precision fp16 needs a GPU")):
-        process = run([PYTHON, SCRIPT, *SMALL, *options, "--output-dir", str(tmp_path)],
-                      env=env, check=False, timeout=120)
+        process = run_in_process([SCRIPT, *SMALL, *options, "--output-dir", str(tmp_path)], env=env)
         assert process.returncode == 2
         assert process.stderr.strip().splitlines() == [process.stderr.strip().splitlines()[-1]]
         assert process.stderr.strip().startswith(message), process.stderr

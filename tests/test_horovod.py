@@ -2,7 +2,7 @@
 import shutil
 
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, read_result, require, run,
-                      untrained_dev_loss)
+                      run_in_process, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-horovod-cls.py"
 
@@ -43,7 +43,7 @@ def test_horovod_equals_one_device_at_the_same_global_batch(tmp_path, single_ref
 
 def test_without_horovodrun_it_says_how_to_launch():
     require("horovod")
-    process = run([PYTHON, SCRIPT, *SMALL], check=False, timeout=120)
+    process = run_in_process([SCRIPT, *SMALL])
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1].startswith("error: this script runs under horovodrun")
 

@@ -11,7 +11,7 @@ import torch
 import common
 import measure
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
-                      read_result, run, untrained_dev_loss)
+                      read_result, run, run_in_process, untrained_dev_loss)
 
 # 2 processes at batch 16 see the same global batches as single-gpu-cls.py at 32 (single_reference).
 EQUIVALENT = [*SMALL, *EXACT, "--batch-size", "16"]
@@ -77,8 +77,7 @@ def test_bf16_amp_learns_and_tracks_fp32(tmp_path, single_reference):
 
 def test_fp16_amp_is_refused_on_cpu_with_a_clear_message():
     # SMALL's --device cpu: refused on every machine, GPUs or not.
-    process = run([PYTHON, "multi-gpu-distributed-mp-amp-cls.py", *SMALL, "--precision", "fp16"], check=False,
-                  timeout=120)
+    process = run_in_process(["multi-gpu-distributed-mp-amp-cls.py", *SMALL, "--precision", "fp16"])
     assert process.returncode == 2 and "Traceback" not in process.stderr
     assert process.stderr.strip().splitlines()[-1].startswith("error: --precision fp16 needs a GPU")
 
@@ -139,8 +138,7 @@ def test_a_failing_rank_stops_spawn(tmp_path):
 
 
 def test_spawn_on_several_machines_needs_the_rendezvous_address():
-    process = run([PYTHON, "multi-gpu-distributed-mp-cls.py", *SMALL, "--nnodes", "2", "--node-rank", "1"],
-                  check=False, timeout=120)
+    process = run_in_process(["multi-gpu-distributed-mp-cls.py", *SMALL, "--nnodes", "2", "--node-rank", "1"])
     assert process.returncode == 2 and "Traceback" not in process.stderr
     assert "--master-addr" in process.stderr.strip().splitlines()[-1]
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, require, run
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, require, run, run_in_process
 
 
 def digest(folder):
@@ -71,7 +71,7 @@ def test_interrupting_a_run_stops_every_process_and_keeps_the_previous_results(t
 
 
 def test_ddp_script_started_without_its_launcher_says_how_to_launch_it():
-    process = run([PYTHON, "multi-gpu-distributed-cls.py", *SMALL], check=False, timeout=120)
+    process = run_in_process(["multi-gpu-distributed-cls.py", *SMALL])
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1].startswith("error: this script runs under a launcher: torchrun")
 
@@ -98,7 +98,7 @@ def test_spawn_refuses_a_master_port_in_use(script):
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        process = run([PYTHON, script, *SMALL, "--master-port", str(port)], check=False, timeout=120)
+        process = run_in_process([script, *SMALL, "--master-port", str(port)])
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1] == (
         f"error: --master-port {port} is in use on this machine: name another, or leave it out to get a free one")
