@@ -198,6 +198,45 @@ def single_33(tmp_path_factory):
     return single_run(tmp_path_factory, 33)
 
 
+# Each strategy at 2 processes x 8 x 2 micro-batches, shuffling and dropout off: the global batch 32 of
+# single_reference. test_grad_accum.py checks every one against it; the strategy's own file reads the
+# same run for what it checks at 2 processes (its launcher, its result, rank 0 alone reporting), and
+# some take a launch path of their own here: Accelerate's config file, FSDP2 keeping the gathered
+# weights from forward to backward.
+ACCUMULATING = {
+    "single": lambda: [PYTHON, "single-gpu-cls.py", "--batch-size", "16"],
+    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--batch-size", "16"],
+    "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "8"],
+    "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "8",
+                        "--precision", "fp32"],
+    "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
+                        PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "8"],
+    "deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
+                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--batch-size", "8"],
+    "accelerate": lambda: [BIN / "accelerate", "launch", "--config_file", "configs/accelerate/multi-gpu.yaml",
+                           "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu",
+                           "--batch-size", "8"],
+    "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-fsdp-cls.py",
+                     "--no-reshard-after-forward", "--batch-size", "8"],
+}
+NEEDS = {"horovod": "horovod", "deepspeed": "deepspeed", "accelerate": "accelerate"}
+
+
+@pytest.fixture(scope="session")
+def accumulating_run(tmp_path_factory):
+    """accumulating_run(strategy) -> (its process, its output folder): launched once a session."""
+    runs = {}
+
+    def get(strategy):
+        if strategy in NEEDS:
+            require(NEEDS[strategy])
+        if strategy not in runs:
+            output = tmp_path_factory.mktemp(f"accumulating-{strategy}")
+            process = run([*ACCUMULATING[strategy](), *SMALL, *EXACT, "--grad-accum", "2", "--output-dir", str(output)])
+            runs[strategy] = process, output
+        return runs[strategy]
+    return get
+
 # The rows of the step and memory anatomy, one per sharding stage, each profiled for 3 steps. DeepSpeed's
 # ZeRO-3 keeps weights under 1e5 elements whole in every process: most of the tiny model's. Without that
 # threshold (zero3-sharded-all, a variant of one's own) it shards every weight, as FSDP2 does.

@@ -76,14 +76,14 @@ def test_accelerate_takes_the_same_shuffled_global_batches_as_ddp(shuffled_run, 
     assert_same_weights(tmp_path / "model", output / "model")
 
 
-def test_config_file_launch_equals_one_device_at_the_same_global_batch(tmp_path, single_reference):
-    """2 processes x 16 with averaged gradients take the same steps as 1 process x 32."""
-    accelerate_launch("--config_file", "configs/accelerate/multi-gpu.yaml",
-                      script_options=[*EQUIVALENCE, "--output-dir", str(tmp_path)])
-    result = read_result(tmp_path)
+def test_config_file_launch_equals_one_device_at_the_same_global_batch(accumulating_run, single_reference):
+    """accelerate launch --config_file configs/accelerate/multi-gpu.yaml, 2 processes x 8 x 2 micro-batches
+    with averaged gradients (conftest's accumulating run), take the same steps as 1 process x 32."""
+    _, output = accumulating_run("accelerate")
+    result = read_result(output)
     assert_accelerate_result(result, "accelerate launch", global_batch=32)
     assert result["steps"] == read_result(single_reference)["steps"] == 11
-    assert_same_weights(single_reference / "model", tmp_path / "model")
+    assert_same_weights(single_reference / "model", output / "model")
 
 
 def test_bf16_under_torchrun_trains_like_fp32(tmp_path, single_reference):

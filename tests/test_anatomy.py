@@ -1,4 +1,5 @@
-"""The step and memory anatomy, through the runner: one row per sharding stage, each profiled.
+"""The step and memory anatomy, through the runner: one row per sharding stage, each profiled (the
+runner's run is conftest's `profiled_benchmark`, which test_benchmark.py reads too).
 
 Every row's model state (counted from each process's tensors) must match what the ZeRO formula
 predicts for it, and --profile must split a step into phases that add up to it, with DDP's
@@ -7,29 +8,13 @@ import json
 
 import pytest
 
-from conftest import CPU_ONLY, PYTHON, SAMPLES, read_result, require, run
+from conftest import read_result
 
-ROWS = ["single", "ddp", "deepspeed-zero1", "deepspeed-zero2", "zero3-sharded-all", "fsdp"]
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    require("deepspeed")
-    output = tmp_path_factory.mktemp("anatomy")
-    # DeepSpeed's ZeRO-3 keeps weights under 1e5 elements whole in every process: most of the tiny
-    # model's. Without that threshold it shards every weight, as FSDP2 does.
-    config = output / "zero3.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-    run([PYTHON, "benchmark.py", "--only", ",".join(ROWS), "--nprocs", "2", "--profile", "3",
-         "--variant", f"zero3-sharded-all=deepspeed:--zero-stage 3 --deepspeed-config {config}",
-         "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
-         "--output-dir", str(output)], env=CPU_ONLY, timeout=1200)
-    return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}
-
-
-def test_each_process_holds_what_the_zero_formula_predicts(report):
-    _, rows = report
+def test_each_process_holds_what_the_zero_formula_predicts(profiled_benchmark):
+    _, rows = profiled_benchmark
     held = {name: row["model_state_bytes"] for name, row in rows.items()}
     for name, row in rows.items():
         formula = row["model_state_formula_bytes"]
@@ -46,8 +31,8 @@ def test_each_process_holds_what_the_zero_formula_predicts(report):
     assert rows["fsdp"]["model_state_formula_bytes"]["zero_stage"] == 3
 
 
-def test_profile_splits_each_step_into_phases_and_communication(report):
-    output, rows = report
+def test_profile_splits_each_step_into_phases_and_communication(profiled_benchmark):
+    output, rows = profiled_benchmark
     for name, row in rows.items():
         profile = row["profile"]
         assert profile["steps"] == 3
@@ -69,8 +54,8 @@ def test_profile_splits_each_step_into_phases_and_communication(report):
     assert read_result(output / "ddp")["profile"] == ddp
 
 
-def test_the_tables_and_the_chart_show_the_anatomy(report):
-    output, rows = report
+def test_the_tables_and_the_chart_show_the_anatomy(profiled_benchmark):
+    output, rows = profiled_benchmark
     table = (output / "benchmark.md").read_text(encoding="utf-8")
     assert "Model state per process:" in table and "Step anatomy:" in table
     fsdp = rows["fsdp"]["model_state_bytes"]

@@ -9,7 +9,7 @@ import pytest
 
 import benchmark
 import common
-from conftest import CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, require, run
+from conftest import CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, run, run_in_process
 
 # --device cpu goes through to every script; CPU_ONLY keeps the runner's own choices (process count,
 # launcher options) on the CPU too, as on a machine without GPUs.
@@ -78,23 +78,23 @@ def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_proc
     assert not list(tmp_path.glob(".*tmp*")), "a temporary file was left behind"
 
 
-def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy(tmp_path):
-    require("deepspeed")
-    # --offload is a DeepSpeed option: single-gpu-cls.py would refuse it, had it leaked there.
-    process = run([PYTHON, "benchmark.py", "--only", "single,deepspeed-zero2,deepspeed-zero3", "--nprocs", "2",
-                   "--strategy-args", "deepspeed=--offload none", *DATA, "--output-dir", str(tmp_path)],
-                  env=CPU_ONLY, timeout=1200)
-    rows = {row["row"]: row for row in load_report(tmp_path)["rows"]}
-    assert [row["status"] for row in rows.values()] == ["ok"] * 3, process.stdout
-    assert "--offload" not in rows["single"]["command"]
-    for stage in (2, 3):
+def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy(profiled_benchmark):
+    """conftest's profiled run: DeepSpeed's stages and a variant of one's own beside single and DDP,
+    with --strategy-args deepspeed=--offload none (single-gpu-cls.py would refuse --offload, had it
+    leaked there)."""
+    output, rows = profiled_benchmark
+    assert [row["status"] for row in rows.values()] == ["ok"] * len(rows)
+    assert "--offload" not in rows["single"]["command"] and "--offload" not in rows["ddp"]["command"]
+    for stage in (1, 2):
         row = rows[f"deepspeed-zero{stage}"]
         assert row["command"].endswith(f"--offload none --zero-stage {stage}")
-        assert row["zero_stage"] == read_result(tmp_path / f"deepspeed-zero{stage}")["zero_stage"] == stage
+        assert row["zero_stage"] == read_result(output / f"deepspeed-zero{stage}")["zero_stage"] == stage
         assert row["precision"] == "fp32" and row["dev_samples"] == DEV_SAMPLES
-    table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
+    assert " --offload none --zero-stage 3 --deepspeed-config " in rows["zero3-sharded-all"]["command"]
+    assert rows["zero3-sharded-all"]["zero_stage"] == 3
+    table = (output / "benchmark.md").read_text(encoding="utf-8")
     assert "noise floor: not measured" in table
-    assert table_line(table, "deepspeed-zero3").startswith("| deepspeed-zero3 | 2 | fp32 | 64 |")
+    assert table_line(table, "zero3-sharded-all").startswith("| zero3-sharded-all | 2 | fp32 | 64 |")
 
 
 def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
@@ -135,14 +135,15 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--max-steps", "0"], "error: --max-steps must be at least 1, got 0"),
 ])
 def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
-    process = run([PYTHON, "benchmark.py", *options, "--output-dir", str(tmp_path)], env=CPU_ONLY, check=False,
-                  timeout=120)
+    process = run_in_process(["benchmark.py", *options, "--output-dir", str(tmp_path)], env=CPU_ONLY)
     assert process.returncode == 2 and process.stderr.startswith(message), process.stderr
     assert "Traceback" not in process.stderr and not list(tmp_path.iterdir())
 
 
 def test_list_shows_every_row_and_a_variant_of_ones_own():
-    output = run([PYTHON, "benchmark.py", "--list", "--variant", "mine=deepspeed:--zero-stage 1"]).stdout
+    process = run_in_process(["benchmark.py", "--list", "--variant", "mine=deepspeed:--zero-stage 1"])
+    assert process.returncode == 0, process.stderr
+    output = process.stdout
     for variant in benchmark.BUILT_IN_VARIANTS:
         assert re.search(rf"^  {re.escape(variant.name)} +{variant.strategy} ", output, re.M), variant.name
     assert re.search(r"^  mine +deepspeed +--zero-stage 1 +from the command line", output, re.M)

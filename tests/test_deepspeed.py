@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_same_weights, load_weights,
+from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_same_weights, load_weights,
                       predict_dev_accuracy, read_result, require, run, run_in_process, small_split,
                       untrained_dev_loss)
 

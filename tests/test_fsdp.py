@@ -2,7 +2,7 @@
 failing-rank checks are in test_equivalence.py, test_resume.py and test_reliability.py."""
 import transformers
 
-from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_same_weights, free_port, load_weights,
+from conftest import (BIN, DEV_SAMPLES, SMALL, assert_same_weights, free_port, load_weights,
                       predict_dev_accuracy, read_result, run, run_in_process, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-fsdp-cls.py"
@@ -38,11 +38,12 @@ def test_bf16_with_checkpoints_learns_and_saves_a_portable_model(tmp_path):
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meaning.json", "training_state.pt"]
 
 
-def test_weights_kept_from_forward_to_backward_end_with_the_single_device_weights(tmp_path, single_reference):
-    torchrun(*EXACT, "--no-reshard-after-forward", "--output-dir", str(tmp_path))
-    result = read_result(tmp_path)
+def test_weights_kept_from_forward_to_backward_end_with_the_single_device_weights(accumulating_run, single_reference):
+    """--no-reshard-after-forward, 2 processes x 8 x 2 micro-batches (conftest's accumulating run)."""
+    _, output = accumulating_run("fsdp")
+    result = read_result(output)
     assert result["reshard_after_forward"] is False and result["steps"] == 11
-    assert_same_weights(single_reference / "model", tmp_path / "model")
+    assert_same_weights(single_reference / "model", output / "model")
 
 
 def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path):

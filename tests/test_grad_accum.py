@@ -1,30 +1,13 @@
 """--grad-accum in every strategy, each the way its library does it: 2 processes x 8 x 2 micro-batches
 (one device: 16 x 2) end with the weights of one device at 32. The 332 training samples end each
-epoch with a short step of 12: one micro-batch instead of two, the loss still the mean over its 12."""
+epoch with a short step of 12: one micro-batch instead of two, the loss still the mean over its 12.
+The runs are conftest's ACCUMULATING, shared with each strategy's own file."""
 import pytest
 
 import measure
-from conftest import (BIN, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, require, run)
+from conftest import (ACCUMULATING, BIN, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, run)
 
 ACCUMULATE = [*SMALL, *EXACT, "--grad-accum", "2"]
-
-LAUNCH = {
-    "single": lambda: [PYTHON, "single-gpu-cls.py", "--batch-size", "16"],
-    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--batch-size", "16"],
-    "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "8"],
-    "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "8",
-                        "--precision", "fp32"],
-    "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
-                        PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "8"],
-    "deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
-                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--batch-size", "8"],
-    "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
-                           "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu",
-                           "--batch-size", "8"],
-    "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-fsdp-cls.py",
-                     "--batch-size", "8"],
-}
-NEEDS = {"horovod": "horovod", "deepspeed": "deepspeed", "accelerate": "accelerate"}
 
 
 def assert_steps_like_one_device_at_32(output, single_reference, samples_trained=332):
@@ -35,13 +18,11 @@ def assert_steps_like_one_device_at_32(output, single_reference, samples_trained
     return result
 
 
-@pytest.mark.parametrize("strategy", list(LAUNCH))
-def test_accumulating_ends_with_the_single_device_weights(tmp_path, single_reference, strategy):
-    if strategy in NEEDS:
-        require(NEEDS[strategy])
-    run([*LAUNCH[strategy](), *ACCUMULATE, "--output-dir", str(tmp_path)])
-    assert read_result(tmp_path)["gradient_accumulation_steps"] == 2
-    assert_steps_like_one_device_at_32(tmp_path, single_reference)
+@pytest.mark.parametrize("strategy", list(ACCUMULATING))
+def test_accumulating_ends_with_the_single_device_weights(accumulating_run, single_reference, strategy):
+    _, output = accumulating_run(strategy)
+    assert read_result(output)["gradient_accumulation_steps"] == 2
+    assert_steps_like_one_device_at_32(output, single_reference)
 
 
 def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(tmp_path, single_reference):

@@ -1,7 +1,7 @@
 """multi-gpu-horovod-cls.py under horovodrun (2 CPU processes over Gloo), and the Horovod build script."""
 import shutil
 
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, read_result, require, run,
+from conftest import (BIN, DEV_SAMPLES, PYTHON, SMALL, assert_same_weights, read_result, require, run,
                       run_in_process, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-horovod-cls.py"
@@ -32,13 +32,14 @@ def test_horovod_learns_with_fp16_allreduce_and_logs_once(tmp_path):
     assert (tmp_path / "model" / "model.safetensors").is_file()
 
 
-def test_horovod_equals_one_device_at_the_same_global_batch(tmp_path, single_reference):
-    """2 processes x 16 with averaged gradients take the same steps as 1 process x 32."""
-    horovodrun(*EXACT, "--batch-size", "16", "--output-dir", str(tmp_path))
-    result = read_result(tmp_path)
+def test_horovod_equals_one_device_at_the_same_global_batch(accumulating_run, single_reference):
+    """2 processes x 8 x 2 micro-batches with averaged gradients (conftest's accumulating run) take
+    the same steps as 1 process x 32."""
+    _, output = accumulating_run("horovod")
+    result = read_result(output)
     assert_horovod_result(result, global_batch=32)
     assert result["steps"] == read_result(single_reference)["steps"] == 11
-    assert_same_weights(single_reference / "model", tmp_path / "model")
+    assert_same_weights(single_reference / "model", output / "model")
 
 
 def test_without_horovodrun_it_says_how_to_launch():

@@ -55,11 +55,12 @@ def test_ddp_under_the_legacy_launcher(tmp_path):
     assert result["global_batch_size"] == 64 and result["steps"] == 6  # 5 of 64 and one of 12
 
 
-def test_ddp_under_spawn_equals_the_single_device_run(tmp_path, single_reference):
-    process = run([PYTHON, "multi-gpu-distributed-mp-cls.py", *EQUIVALENT, "--output-dir", str(tmp_path)])
-    assert_distributed_result(tmp_path, "ddp", "spawn")
+def test_ddp_under_spawn_equals_the_single_device_run(accumulating_run, single_reference):
+    """2 processes x 8 x 2 micro-batches (conftest's accumulating run) against one device x 32."""
+    process, output = accumulating_run("ddp-spawn")
+    assert_distributed_result(output, "ddp", "spawn")
     assert process.stdout.count("耗时：") == 1
-    assert_same_weights(single_reference / "model", tmp_path / "model")
+    assert_same_weights(single_reference / "model", output / "model")
 
 
 def test_bf16_amp_learns_and_tracks_fp32(tmp_path, single_reference):

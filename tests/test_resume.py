@@ -2,6 +2,7 @@
 of the run that never stopped, with dropout on and across an epoch boundary; a checkpoint resumes
 only into a run where its step means the same samples, and only where every process can read it."""
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -56,21 +57,39 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-def crash_and_resume(strategy, output):
-    command = [*LAUNCH[strategy](), *RESUME, "--output-dir", str(output)]
-    env = ENV.get(strategy, {})
-    crashed = run(command, env={**CRASH, **env}, check=False)
+def crash(strategy, output):
+    crashed = run([*LAUNCH[strategy](), *RESUME, "--output-dir", str(output)], env={**CRASH, **ENV.get(strategy, {})},
+                  check=False)
     assert crashed.returncode != 0 and not (output / "result.json").exists(), crashed.stderr[-2000:]
-    resumed = run([*command, "--resume"], env=env)
+
+
+@pytest.fixture(scope="module")
+def crashed_ddp(tmp_path_factory):
+    """The folder of a 2-process DDP run that crashed at step 10, its checkpoint step 8's: each test
+    that needs one works on a copy."""
+    output = tmp_path_factory.mktemp("crashed-ddp")
+    crash("ddp", output)
+    meaning = json.loads((output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))
+    assert meaning["step"] == 8 and meaning["world_size"] == 2 and meaning["global_batch_size"] == 32
+    assert meaning["precision"] == "fp32"  # an fp16 checkpoint (a gradient scaler) resumes only into fp16
+    return output
+
+
+def crash_and_resume(strategy, output, crashed_ddp):
+    if strategy == "ddp":
+        shutil.copytree(crashed_ddp, output, dirs_exist_ok=True)
+    else:
+        crash(strategy, output)
+    resumed = run([*LAUNCH[strategy](), *RESUME, "--output-dir", str(output), "--resume"], env=ENV.get(strategy, {}))
     assert "--resume: continuing from step 8" in resumed.stdout
     return resumed
 
 
 @pytest.mark.parametrize("strategy", list(LAUNCH))
-def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(tmp_path, uninterrupted, strategy):
+def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(tmp_path, uninterrupted, crashed_ddp, strategy):
     if strategy in NEEDS:
         require(NEEDS[strategy])
-    crash_and_resume(strategy, tmp_path)
+    crash_and_resume(strategy, tmp_path, crashed_ddp)
     result = read_result(tmp_path)
     assert result["resumed_from_step"] == 8 and result["steps"] == 22 and result["epochs"] == 2
     # Throughput counts what this launch trained: 14 steps, the last of each epoch short (12 samples).
@@ -81,15 +100,8 @@ def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(tmp_path, un
     assert_same_weights(uninterrupted(REFERENCE.get(strategy, "ddp")) / "model", tmp_path / "model")
 
 
-def checkpoint_of_a_crashed_ddp_run(output):
-    run([*LAUNCH["ddp"](), *RESUME, "--output-dir", str(output)], env=CRASH, check=False)
-    meaning = json.loads((output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))
-    assert meaning["step"] == 8 and meaning["world_size"] == 2 and meaning["global_batch_size"] == 32
-    assert meaning["precision"] == "fp32"  # an fp16 checkpoint (a gradient scaler) resumes only into fp16
-
-
-def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_path):
-    checkpoint_of_a_crashed_ddp_run(tmp_path)
+def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_path, crashed_ddp):
+    shutil.copytree(crashed_ddp, tmp_path, dirs_exist_ok=True)
     # 3 processes: the step would mean other samples. --model auto is resolved once, by rank 0.
     auto = [argument for argument in RESUME if argument not in ("--model", "tiny")]
     process = run([BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
@@ -104,9 +116,9 @@ def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_pat
         assert process.stderr.count("using the TINY randomly") == 1
 
 
-def test_a_checkpoint_one_machine_cannot_read_fails_the_job_in_one_line(tmp_path):
+def test_a_checkpoint_one_machine_cannot_read_fails_the_job_in_one_line(tmp_path, crashed_ddp):
     """Two 'machines' of one process each, without a shared --output-dir: only rank 0's has the checkpoint."""
-    checkpoint_of_a_crashed_ddp_run(tmp_path / "node0")
+    shutil.copytree(crashed_ddp, tmp_path / "node0")
     port = free_port()
     nodes = [subprocess.Popen([BIN / "torchrun", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                                "--master_addr", "127.0.0.1", "--master_port", port, "multi-gpu-distributed-cls.py",

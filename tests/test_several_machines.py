@@ -7,7 +7,6 @@ filesystem that is not shared (both nodes see the host's). See docs/several-mach
 """
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -89,20 +88,49 @@ def cluster():
         run(["bash", str(CLUSTER), "down"], timeout=120)
 
 
+class Job:
+    """A batch job on the cluster, polled twice a second: `sbatch --wait` polls at growing intervals,
+    up to several seconds, which every test would wait out."""
+
+    def __init__(self, job_id, log):
+        self.id, self.log, self.returncode = job_id, log, None
+
+    def poll(self):
+        """None while the job runs, then its exit code (non-zero too when Slurm ended it)."""
+        if self.returncode is None:
+            shown = slurm("scontrol", "--oneliner", "show", "job", self.id)
+            fields = dict(field.split("=", 1) for field in shown.split() if "=" in field)
+            if fields["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
+                exit_status, signal_number = map(int, fields["ExitCode"].split(":"))
+                self.returncode = exit_status or signal_number or int(fields["JobState"] != "COMPLETED")
+        return self.returncode
+
+    def wait(self, timeout=600):
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            assert time.monotonic() < deadline, f"job {self.id} still runs after {timeout} s"
+            time.sleep(0.5)
+        return self.returncode
+
+
+def slurm(*command, env=None):
+    return subprocess.run(["bash", str(CLUSTER), "exec", *command], cwd=ROOT, env=env, capture_output=True, text=True,
+                          check=True, timeout=60).stdout
+
+
 def submit(batch_file, output_dir, *script_args, env=None, log=None, wait=True):
     """sbatch a file of slurm/ on the cluster, 1 process per node; with `wait`, return (exit code, log)."""
     log = log or Path(output_dir).with_suffix(".log")
-    command = ["bash", str(CLUSTER), "exec", "sbatch", "--wait", "--output", str(log),
-               *(["--ntasks-per-node=1"] if batch_file == "srun" else []),
-               f"slurm/{batch_file}.sbatch", *script_args]
     job_env = {**os.environ, "OUTPUT_DIR": str(output_dir), "GPUS_PER_NODE": "1", "GLOO_SOCKET_IFNAME": INTERFACE,
                **(env or {})}
-    process = subprocess.Popen(command, cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    job_id = slurm("sbatch", "--parsable", "--output", str(log),
+                   *(["--ntasks-per-node=1"] if batch_file == "srun" else []),
+                   f"slurm/{batch_file}.sbatch", *script_args, env=job_env).strip().split(";")[0]
+    job = Job(job_id, log)
     if not wait:
-        return process, log
-    process.wait(timeout=600)
-    return process.returncode, log.read_text(encoding="utf-8", errors="replace")
+        return job, log
+    job.wait()
+    return job.returncode, log.read_text(encoding="utf-8", errors="replace")
 
 
 def error_lines(log):
@@ -146,7 +174,7 @@ def test_a_node_lost_mid_run_ends_the_job_and_a_resubmitted_resume_ends_on_the_u
     started = time.monotonic()
     while not (output / "checkpoint").exists():
         assert job.poll() is None, "the job ended before its first checkpoint"
-        time.sleep(0.05)
+        time.sleep(0.2)
     victim = rank_process(output, 1)
     assert victim is not None, "node2's process was not found"
     victim.send_signal(signal.SIGKILL)
