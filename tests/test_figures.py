@@ -109,6 +109,13 @@ def test_the_model_state_the_strategy_guide_quotes_is_the_real_size_runs(real_si
     allreduce = profile["collectives"]["gloo:all_reduce"]
     hidden = allreduce["ms"] - allreduce["exposed_ms"]
     assert f"{hidden / 1000:.2f} of its {allreduce['ms'] / 1000:.2f} s of all-reduce per step hid" in guide
+    explained = section(ANATOMY, "## At real size: BERT-base")
+    assert f"of {allreduce['ms'] / 1000:.2f} s per step, {hidden / 1000:.2f} s run while" in explained
+
+
+def test_the_strategy_guide_quotes_the_emulated_bf16_speed_up(rows):
+    guide = section(README, "## Which strategy should I use?", "## Getting the real weights")
+    assert f"on this CPU bf16 is emulated ({rows['ddp-amp']['speedup']:.2f}x)" in guide
 
 
 STATE_COLUMNS = ("parameters", "gradients", "optimizer_state", "total")
