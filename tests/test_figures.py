@@ -113,9 +113,10 @@ def test_the_model_state_the_strategy_guide_quotes_is_the_real_size_runs(real_si
     assert f"of {allreduce['ms'] / 1000:.2f} s per step, {hidden / 1000:.2f} s run while" in explained
 
 
-def test_the_strategy_guide_quotes_the_emulated_bf16_speed_up(rows):
+def test_the_strategy_guide_quotes_the_committed_speed_ups(rows):
     guide = section(README, "## Which strategy should I use?", "## Getting the real weights")
     assert f"on this CPU bf16 is emulated ({rows['ddp-amp']['speedup']:.2f}x)" in guide
+    assert f"(Accelerate {rows['accelerate']['speedup']:.2f}x, within the noise)" in guide
 
 
 STATE_COLUMNS = ("parameters", "gradients", "optimizer_state", "total")
