@@ -1,7 +1,8 @@
-"""Figures quoted by hand are the committed runs': the README's results table and the emulated-bf16
-slowdown docs/native.md gives are read back from docs/results/amd-epyc-2-cores/benchmark.json, the
-model state the README's strategy guide quotes from the real-size run's. (docs/benchmark.md shows the
-main run's table verbatim: tests/test_benchmark.py checks it.)"""
+"""Figures quoted by hand are the committed runs': each test below reads a figure the README or a page
+under docs/ quotes and compares it with docs/results/amd-epyc-2-cores/benchmark.json (the main run) or
+docs/results/amd-epyc-2-cores-base-shape/benchmark.json (the real-size run). Each figure is written
+once (the other pages link to it), so each has one check here. (docs/benchmark.md shows the main run's
+table verbatim: tests/test_benchmark.py checks it.)"""
 import json
 import re
 
@@ -12,49 +13,137 @@ from conftest import ROOT
 RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json"
 REAL_SIZE_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-base-shape" / "benchmark.json"
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+ANATOMY = (ROOT / "docs" / "anatomy.md").read_text(encoding="utf-8")
+MB = 2**20
 
 
 @pytest.fixture(scope="module")
-def rows():
-    return {row["row"]: row for row in json.loads(RUN.read_text(encoding="utf-8"))["rows"]}
+def run():
+    return json.loads(RUN.read_text(encoding="utf-8"))
 
 
-def results_table(text):
-    """{row name: [cells]} of the table under the README's "## Measured" heading."""
-    section = text[text.index("## Measured"):]
-    table = {}
-    for line in section.splitlines()[section.splitlines().index("| row | processes | global batch | train s | "
-                                                                  "speed-up | dev acc |") + 2:]:
+@pytest.fixture(scope="module")
+def rows(run):
+    return {row["row"]: row for row in run["rows"]}
+
+
+@pytest.fixture(scope="module")
+def real_size_rows():
+    return {row["row"]: row for row in json.loads(REAL_SIZE_RUN.read_text(encoding="utf-8"))["rows"]}
+
+
+def section(text, heading, end=None):
+    start = text.index(heading)
+    return text[start:text.index(end, start)] if end else text[start:]
+
+
+def table(text, header):
+    """{first cell's first word: [the other cells]} of the markdown table under `header` in `text`."""
+    lines = text.splitlines()
+    found = {}
+    for line in lines[lines.index(header) + 2:]:
         if not line.startswith("| "):
             break
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
-        table[cells[0].split(" ")[0]] = cells[1:]
-    return table
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        found[cells[0].split(" ")[0]] = cells[1:]
+    return found
 
 
-def test_the_readme_results_table_is_the_committed_run(rows):
-    table = results_table(README)
-    assert table.keys() == rows.keys()
-    for name, cells in table.items():
-        row = rows[name]
-        expected = [str(row["processes"]), str(row["global_batch"]), f"{row['train_seconds']:.1f}",
-                    f"{row['speedup']:.2f}x", f"{row['dev_accuracy']:.4f}"]
-        assert cells == expected, f"README row {name}: {cells}, the committed run says {expected}"
+def expected_results_row(row):
+    return [str(row["processes"]), str(row["global_batch"]), f"{row['train_seconds']:.1f}",
+            f"{row['speedup']:.2f}x", f"{row['dev_accuracy']:.4f}"]
 
 
-def test_the_model_state_the_strategy_guide_quotes_is_the_real_size_runs():
-    """The README's guide (and its 中文) quote BERT-base's model state per process, measured by
-    ./run.sh --real-size: DDP, ZeRO-2 and ZeRO-3 and FSDP2 at 2 and 4 processes."""
-    measured = {row["row"]: f"{row['model_state_bytes']['total'] / 2**20:,.2f}"
-                for row in json.loads(REAL_SIZE_RUN.read_text(encoding="utf-8"))["rows"]}
-    guide = README[README.index("## Which strategy should I use?"):README.index("## Getting the real weights")]
+@pytest.mark.parametrize("where, heading, header", [
+    ("README", "## Measured", "| row | processes | global batch | train s | speed-up | dev acc |"),
+    ("README 中文", "## 中文说明", "| 方式 | 进程数 | 全局批大小 | 训练秒数 | 加速比 | dev 准确率 |"),
+])
+def test_the_readme_results_tables_are_the_committed_run(rows, where, heading, header):
+    shown = table(section(README, heading), header)
+    assert shown.keys() == rows.keys(), where
+    for name, cells in shown.items():
+        expected = expected_results_row(rows[name])
+        assert cells == expected, f"{where} row {name}: {cells}, the committed run says {expected}"
+
+
+def test_the_readme_notes_under_the_results_table_are_the_committed_runs(run, rows):
+    notes = section(README, "## Measured", "## Which strategy should I use?")
+    assert f"With a noise floor of {run['noise_floor']:.0%}" in notes
+    deepspeed = rows["deepspeed"]
+    assert f"(wall {deepspeed['wall_seconds']:.1f} s, training {deepspeed['train_seconds']:.1f} s)" in notes
+
+
+def test_the_tiny_models_accuracy_range_is_the_committed_runs(rows):
+    """The README's "about 0.41-0.44" (the one place it is written) spans every row's dev accuracy."""
+    quoted = re.findall(r"dev accuracy of about (\d\.\d\d)-(\d\.\d\d) with the tiny model", README)
+    assert len(quoted) == 1, "the README should give the tiny model's accuracy range once"
+    low, high = (float(bound) for bound in quoted[0])
+    accuracies = [row["dev_accuracy"] for row in rows.values()]
+    # The range holds every row, and neither end is more than a hundredth beyond the rows.
+    assert low <= min(accuracies) < low + 0.01 - 1e-9 and high - 0.01 + 1e-9 < max(accuracies) <= high, (
+        f"the README says {low}-{high}; the committed run's rows range over {min(accuracies)}-{max(accuracies)}")
+
+
+def test_the_readme_sample_output_is_the_committed_single_row(rows):
+    single = rows["single"]
+    state = {name: f"{value / MB:.2f}" for name, value in single["model_state_bytes"].items()}
+    sample = section(README, "python single-gpu-cls.py --model tiny", "## Prerequisites")
+    assert f"accuracy：{single['dev_accuracy']:.4f} macro-F1：{single['dev_macro_f1']:.4f}" in sample
+    assert (f"parameters {state['parameters']} MB, gradients {state['gradients']} MB, optimizer state "
+            f"{state['optimizer_state']} MB") in sample
+    assert f"(measured {state['total']} MB)" in sample
+    assert f"dev: {single['dev_samples']} samples, accuracy {single['dev_accuracy']:.4f}, " \
+           f"macro-F1 {single['dev_macro_f1']:.4f}" in sample
+
+
+def test_the_model_state_the_strategy_guide_quotes_is_the_real_size_runs(real_size_rows):
+    """The README's guide quotes BERT-base's model state per process, measured by ./run.sh --real-size:
+    DDP, ZeRO-2 and ZeRO-3 and FSDP2 at 2 and 4 processes, and how much of DDP's all-reduce hid."""
+    measured = {name: f"{row['model_state_bytes']['total'] / MB:,.2f}" for name, row in real_size_rows.items()}
+    guide = section(README, "## Which strategy should I use?", "## Getting the real weights")
     assert f"holds the whole model state: {measured['ddp']} MB for BERT-base" in guide
     assert f"{measured['deepspeed-n2']} MB per process at 2 processes, {measured['deepspeed-n4']} at 4" in guide
     assert f"{measured['deepspeed-zero3-n2']} MB per process at 2, {measured['deepspeed-zero3-n4']} at 4" in guide
     assert f"{measured['fsdp-n2']} MB per process at 2 processes, {measured['fsdp-n4']} at 4" in guide
-    chinese = README[README.index("## 中文说明"):]
-    for figure in measured.values():
-        assert figure in chinese, figure
+    profile = real_size_rows["ddp"]["profile"]
+    allreduce = profile["collectives"]["gloo:all_reduce"]
+    hidden = allreduce["ms"] - allreduce["exposed_ms"]
+    assert f"{hidden / 1000:.2f} of its {allreduce['ms'] / 1000:.2f} s of all-reduce per step hid" in guide
+    explained = section(ANATOMY, "## At real size: BERT-base")
+    assert f"of {allreduce['ms'] / 1000:.2f} s per step, {hidden / 1000:.2f} s run while" in explained
+
+
+def test_the_strategy_guide_quotes_the_committed_speed_ups(rows):
+    guide = section(README, "## Which strategy should I use?", "## Getting the real weights")
+    assert f"on this CPU bf16 is emulated ({rows['ddp-amp']['speedup']:.2f}x)" in guide
+    assert f"(Accelerate {rows['accelerate']['speedup']:.2f}x, within the noise)" in guide
+
+
+STATE_COLUMNS = ("parameters", "gradients", "optimizer_state", "total")
+
+
+def test_the_anatomy_model_state_table_is_the_committed_runs(rows):
+    """docs/anatomy.md's tiny-model table comes from a --profile run; the rows the committed run also
+    has (model state does not depend on timing) must hold the same figures."""
+    shown = table(section(ANATOMY, "## Model state per process"),
+                  "| row | weights | gradients | optimizer state | model state | ZeRO formula |")
+    for page_row, run_row in [("single", "single"), ("ddp", "ddp"), ("deepspeed-zero2", "deepspeed"), ("fsdp", "fsdp")]:
+        row = rows[run_row]
+        expected = [f"{row['model_state_bytes'][name] / MB:.2f}" for name in STATE_COLUMNS]
+        expected.append(f"{row['model_state_formula_bytes']['total'] / MB:.2f}")
+        assert shown[page_row] == expected, f"docs/anatomy.md row {page_row}: {shown[page_row]}, the run says {expected}"
+
+
+def test_the_anatomy_real_size_table_is_the_real_size_runs(real_size_rows):
+    shown = table(section(ANATOMY, "## At real size: BERT-base"),
+                  "| row | processes | weights | gradients | optimizer state | model state | ZeRO formula | peak RSS "
+                  "| beyond the model state |")
+    assert shown.keys() == real_size_rows.keys()
+    for name, row in real_size_rows.items():
+        expected = [str(row["processes"]), *(f"{row['model_state_bytes'][key] / MB:.2f}" for key in STATE_COLUMNS),
+                    f"{row['model_state_formula_bytes']['total'] / MB:.2f}", f"{row['peak_memory_mb']:.0f}",
+                    f"{row['peak_memory_mb'] - row['model_state_bytes']['total'] / MB:.0f}"]
+        assert shown[name] == expected, f"docs/anatomy.md real-size row {name}: {shown[name]}, the run says {expected}"
 
 
 def test_the_emulated_bf16_slowdown_is_the_committed_runs(rows):
