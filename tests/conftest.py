@@ -1,4 +1,5 @@
 """Helpers shared by the tests: run a script the way a user would, read what it wrote."""
+import collections
 import contextlib
 import importlib.util
 import io
@@ -147,13 +148,15 @@ def untrained_dev_loss():
 
 
 def predict_dev_accuracy(output_dir):
-    """Run predict.py on the SMALL dev texts with the model in `output_dir`; return its accuracy."""
+    """Run predict.py on the SMALL dev texts with the model in `output_dir`; return its accuracy. In this
+    interpreter: test_single.py launches predict.py as a user does."""
     import common
     _, dev = small_split()
     texts_file = Path(output_dir) / "dev.txt"
     texts_file.write_text("\n".join(text for text, _ in dev), encoding="utf-8")
-    lines = run([PYTHON, "predict.py", "--checkpoint", str(Path(output_dir) / "model"), "--file", str(texts_file)]
-                ).stdout.strip().splitlines()
+    process = run_in_process(["predict.py", "--checkpoint", str(Path(output_dir) / "model"), "--file", str(texts_file)])
+    assert process.returncode == 0, process.stderr
+    lines = process.stdout.strip().splitlines()
     assert len(lines) == len(dev)
     return sum(line.split("\t")[0] == common.LABELS[label] for line, (_, label) in zip(lines, dev)) / len(dev)
 
@@ -234,6 +237,58 @@ def accumulating_run(tmp_path_factory):
             output = tmp_path_factory.mktemp(f"accumulating-{strategy}")
             process = run([*ACCUMULATING[strategy](), *SMALL, *EXACT, "--grad-accum", "2", "--output-dir", str(output)])
             runs[strategy] = process, output
+        return runs[strategy]
+    return get
+
+# Each strategy's run of test_resume.py: dropout on (the model's 0.1), so the random states must come
+# back too; 11 steps per epoch, 22 in all; a checkpoint every 4 steps. A failure injected at step 10
+# (in rank 1 where there are 2 processes) ends the job after the step-8 checkpoint: test_resume.py
+# resumes a copy of each, the failing-rank tests of test_native.py and test_reliability.py read how
+# the job ended.
+RESUME = [*SMALL, "--epochs", "2", "--save-steps", "4"]
+RESUMABLE = {
+    "single": lambda: [PYTHON, "single-gpu-cls.py"],
+    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py"],
+    "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
+                    "multi-gpu-distributed-cls.py", "--batch-size", "16"],
+    "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "16"],
+    "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "16"],
+    "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
+                        PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "16"],
+    "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-fsdp-cls.py",
+                     "--batch-size", "16"],
+    # Under torchrun, which sets what the deepspeed launcher would, so that an exported
+    # DS_ACCELERATOR=cuda (see RESUME_ENV) reaches the script: --device cpu must win over it.
+    "deepspeed": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
+                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--device", "cpu", "--batch-size", "16"],
+    "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
+                           "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu",
+                           "--batch-size", "16"],
+}
+RESUME_ENV = {"deepspeed": {"DS_ACCELERATOR": "cuda"}}
+CrashedRun = collections.namedtuple("CrashedRun", "process seconds orphans output")
+
+
+@pytest.fixture(scope="session")
+def crashed_run(tmp_path_factory):
+    """crashed_run(strategy) -> CrashedRun: how its RESUMABLE run ended (the process, the seconds it
+    took, the processes still running 10 s after) and the folder it left. Tests work on copies."""
+    runs = {}
+
+    def get(strategy):
+        if strategy in NEEDS:
+            require(NEEDS[strategy])
+        if strategy not in runs:
+            output = tmp_path_factory.mktemp(f"crashed-{strategy}")
+            failing_rank = 0 if strategy in ("single", "dataparallel") else 1
+            started = time.monotonic()
+            process = run([*RESUMABLE[strategy](), *RESUME, "--output-dir", str(output)], check=False,
+                          env={"SUITE_FAIL_AT": f"{failing_rank}:10", **RESUME_ENV.get(strategy, {})})
+            seconds = time.monotonic() - started
+            deadline = time.monotonic() + 10
+            while processes_mentioning(str(output)) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            runs[strategy] = CrashedRun(process, seconds, processes_mentioning(str(output)), output)
         return runs[strategy]
     return get
 

@@ -8,40 +8,13 @@ import subprocess
 import pytest
 
 import common
-import measure
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, free_port, read_result, require, run
+from conftest import (BIN, RESUMABLE, RESUME, RESUME_ENV, ROOT, assert_same_weights, free_port, read_result,
+                      run)
 
-# Dropout on (the model's 0.1): the random states must come back too. 11 steps per epoch, 22 in all;
-# a checkpoint every 4 steps and a crash at step 10: the resumed run continues from step 8, in epoch 1,
-# and crosses into epoch 2.
-RESUME = [*SMALL, "--epochs", "2", "--save-steps", "4"]
-CRASH = {measure.FAIL_AT_ENV: "0:10"}
-
-
-LAUNCH = {
-    "single": lambda: [PYTHON, "single-gpu-cls.py"],
-    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py"],
-    "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
-                    "multi-gpu-distributed-cls.py", "--batch-size", "16"],
-    "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "16"],
-    "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "16"],
-    "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
-                        PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "16"],
-    "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-fsdp-cls.py",
-                     "--batch-size", "16"],
-    # Under torchrun, which sets what the deepspeed launcher would, so that an exported
-    # DS_ACCELERATOR=cuda (see ENV) reaches the script: --device cpu must win over it.
-    "deepspeed": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
-                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--device", "cpu", "--batch-size", "16"],
-    "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
-                           "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu",
-                           "--batch-size", "16"],
-}
-NEEDS = {"horovod": "horovod", "deepspeed": "deepspeed", "accelerate": "accelerate"}
+# The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
 # The uninterrupted run each resumed one must equal: one device; 2 processes x 16 in fp32 (DDP, and
 # every strategy that draws the same dropout masks); 2 x 16 in bf16.
 REFERENCE = {"single": "single", "dataparallel": "single", "ddp-amp": "ddp-amp"}
-ENV = {"deepspeed": {"DS_ACCELERATOR": "cuda"}}
 
 
 @pytest.fixture(scope="module")
@@ -51,45 +24,31 @@ def uninterrupted(tmp_path_factory):
     def get(name):
         if name not in runs:
             output = tmp_path_factory.mktemp(f"uninterrupted-{name}")
-            run([*LAUNCH[name](), *RESUME, "--output-dir", str(output)])
+            run([*RESUMABLE[name](), *RESUME, "--output-dir", str(output)])
             runs[name] = output
         return runs[name]
     return get
 
 
-def crash(strategy, output):
-    crashed = run([*LAUNCH[strategy](), *RESUME, "--output-dir", str(output)], env={**CRASH, **ENV.get(strategy, {})},
-                  check=False)
-    assert crashed.returncode != 0 and not (output / "result.json").exists(), crashed.stderr[-2000:]
-
-
-@pytest.fixture(scope="module")
-def crashed_ddp(tmp_path_factory):
-    """The folder of a 2-process DDP run that crashed at step 10, its checkpoint step 8's: each test
-    that needs one works on a copy."""
-    output = tmp_path_factory.mktemp("crashed-ddp")
-    crash("ddp", output)
+@pytest.fixture
+def crashed_ddp(crashed_run):
+    """The folder of the 2-process DDP run that crashed at step 10, its checkpoint step 8's."""
+    output = crashed_run("ddp").output
     meaning = json.loads((output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))
     assert meaning["step"] == 8 and meaning["world_size"] == 2 and meaning["global_batch_size"] == 32
     assert meaning["precision"] == "fp32"  # an fp16 checkpoint (a gradient scaler) resumes only into fp16
     return output
 
 
-def crash_and_resume(strategy, output, crashed_ddp):
-    if strategy == "ddp":
-        shutil.copytree(crashed_ddp, output, dirs_exist_ok=True)
-    else:
-        crash(strategy, output)
-    resumed = run([*LAUNCH[strategy](), *RESUME, "--output-dir", str(output), "--resume"], env=ENV.get(strategy, {}))
+@pytest.mark.parametrize("strategy", list(RESUMABLE))
+def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(tmp_path, uninterrupted, crashed_run, strategy):
+    crashed = crashed_run(strategy)
+    assert crashed.process.returncode != 0 and not (crashed.output / "result.json").exists(), (
+        crashed.process.stderr[-2000:])
+    shutil.copytree(crashed.output, tmp_path, dirs_exist_ok=True)
+    resumed = run([*RESUMABLE[strategy](), *RESUME, "--output-dir", str(tmp_path), "--resume"],
+                  env=RESUME_ENV.get(strategy, {}))
     assert "--resume: continuing from step 8" in resumed.stdout
-    return resumed
-
-
-@pytest.mark.parametrize("strategy", list(LAUNCH))
-def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(tmp_path, uninterrupted, crashed_ddp, strategy):
-    if strategy in NEEDS:
-        require(NEEDS[strategy])
-    crash_and_resume(strategy, tmp_path, crashed_ddp)
     result = read_result(tmp_path)
     assert result["resumed_from_step"] == 8 and result["steps"] == 22 and result["epochs"] == 2
     # Throughput counts what this launch trained: 14 steps, the last of each epoch short (12 samples).

@@ -55,8 +55,8 @@ def test_auto_falls_back_to_the_tiny_model_with_a_banner(tmp_path):
     if common.LOCAL_MODEL_DIR.is_dir():
         pytest.skip(f"{common.LOCAL_MODEL_DIR} exists, so --model auto uses it")
     args = [arg for arg in SMALL if arg not in ("--model", "tiny")]
-    process = run([PYTHON, "single-gpu-cls.py", *args, "--model", "auto", "--output-dir", str(tmp_path)],
-                  env={"HF_HUB_OFFLINE": "1"})
+    process = run([PYTHON, "single-gpu-cls.py", *args, "--model", "auto", "--max-samples", "60",
+                   "--output-dir", str(tmp_path)], env={"HF_HUB_OFFLINE": "1"})
     assert "using the TINY randomly" in process.stderr
     assert read_result(tmp_path)["model"] == "tiny"
 
