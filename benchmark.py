@@ -41,7 +41,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ import torch
 from tqdm import tqdm
 
 import common
+from spawn_setup import free_port
 
 ROOT = common.ROOT
 # The launchers come from the same environment as this Python, so every strategy runs the same libraries.
@@ -66,14 +66,6 @@ RESULTS_DIR = ROOT / "docs" / "results"
 
 
 # ----------------------------------------------------------------------------- the strategies
-
-def free_port():
-    """A TCP port nobody listens on now, for the launcher's rendezvous (never a fixed 29500 that an
-    earlier or parallel run may still hold)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def relative(path):
     """`path` relative to the repository root when it lies inside it: shorter, copy-pastable commands."""
@@ -103,7 +95,7 @@ def launch_dataparallel(script, n, gpus):
 
 
 def launch_torchrun(script, n, gpus):
-    return [executable("torchrun"), "--nproc_per_node", str(n), "--master_port", str(free_port()), script]
+    return [executable("torchrun"), "--nproc_per_node", str(n), "--master_port", free_port(), script]
 
 
 def launch_spawn(script, n, gpus):
@@ -118,7 +110,7 @@ def launch_horovodrun(script, n, gpus):
 
 def launch_deepspeed(script, n, gpus):
     # Without GPUs DeepSpeed picks its CPU accelerator; --num_gpus then counts CPU processes.
-    return [executable("deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()), script]
+    return [executable("deepspeed"), "--num_gpus", str(n), "--master_port", free_port(), script]
 
 
 def launch_accelerate(script, n, gpus):
@@ -126,13 +118,13 @@ def launch_accelerate(script, n, gpus):
     # the script itself asks for CPU training when there is no GPU (see its docstring).
     several = ["--multi_gpu"] if n > 1 else []
     return [executable("accelerate"), "launch", "--num_processes", str(n), *several,
-            "--main_process_port", str(free_port()), script]
+            "--main_process_port", free_port(), script]
 
 
 def launch_fabric(script, n, gpus):
     # fabric run is torchrun underneath; it passes the accelerator and device count to Fabric().
     return [executable("fabric"), "run", "--accelerator", "cuda" if gpus else "cpu", "--devices", str(n),
-            "--main-port", str(free_port()), script]
+            "--main-port", free_port(), script]
 
 
 @dataclass(frozen=True)

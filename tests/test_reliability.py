@@ -8,17 +8,11 @@ import time
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, require, run
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, free_port, require, run
 
 
 def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 LAUNCH = {
@@ -27,11 +21,11 @@ LAUNCH = {
     "spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2"],
     "horovod": lambda: [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
                         PYTHON, "multi-gpu-horovod-cls.py"],
-    "deepspeed": lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+    "deepspeed": lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
                           "multi-gpu-deepspeed-cls.py"],
     "accelerate": lambda: [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-                           "--main_process_port", str(free_port()), "multi-gpu-accelerate-cls.py"],
-    "fsdp": lambda: [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+                           "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py"],
+    "fsdp": lambda: [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", free_port(),
                      "multi-gpu-fsdp-cls.py"],
 }
 
