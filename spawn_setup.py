@@ -1,6 +1,7 @@
 """The helpers of the spawn scripts (multi-gpu-distributed-mp-cls.py and its AMP variant) that are not
 the lesson: torchrun's options and checks, a free rendezvous port, and stopping the processes as
-torchrun would. free_port also serves benchmark.py and the tests."""
+torchrun would. free_port also serves benchmark.py and the tests, which import this module without
+torch: torch and common are imported where they are used."""
 import socket
 import time
 
@@ -19,7 +20,7 @@ def add_launch_args(parser):
 
 def check_launch(args, gpus):
     """Fill in the defaults that depend on the machine (its `gpus`) and refuse launches that cannot meet."""
-    import common  # here, not at the top: the runner and tests/conftest.py import free_port without torch
+    import common
     if args.nprocs is None:
         args.nprocs = gpus or 2
     if args.nprocs < 1 or args.nnodes < 1:
