@@ -869,7 +869,6 @@ class Trainer:
 
     def fit(self):
         """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
-        strategy = self.strategy
         self.log_start()
         first_step = self.resume_step()
         model_state = measure.ModelStateCount(self.strategy, self.model, self.optimizer)
@@ -882,6 +881,13 @@ class Trainer:
             progress = self.train(first_step)
         metrics = self.evaluate()
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
+        return self.write_result(progress, metrics, first_step, model_state, allreduces, profile)
+
+    def write_result(self, progress, metrics, first_step, model_state, allreduces, profile=None):
+        """result.json, built here alone for every script (multi-gpu-transformers-cls.py measures the
+        library's loop and calls this too): the run's fields, then what the measurements counted.
+        Rank 0 prints the report and writes the file."""
+        strategy = self.strategy
         result = self.result(progress, metrics)
         result["resumed_from_step"] = first_step
         result.update(model_state.result_fields(strategy.device, result["peak_memory_mb"]))

@@ -46,13 +46,7 @@ EXACT = ["--no-shuffle", "--dropout", "0"]
 
 sys.path.insert(0, str(ROOT))
 
-
-def free_port():
-    """A port nothing listens on, so a launch never meets the rendezvous of an earlier one."""
-    import socket
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
+from spawn_setup import free_port  # noqa: E402  (a launch never meets the rendezvous of an earlier one)
 
 
 def require(module):

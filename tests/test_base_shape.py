@@ -97,7 +97,7 @@ def test_the_runner_counts_base_shape_from_its_config_alone():
 
 def test_real_size_plan_runs_every_default_row_and_the_sharded_ones_at_4():
     import benchmark
-    cells = benchmark.plan(benchmark.parse_args(["--real-size"]), gpus=0)
+    cells = benchmark.plan(benchmark.parse_args(["--real-size"], gpus=0), gpus=0)
     launched = {(cell["variant"], benchmark.processes(cell)) for cell in cells}
     assert {variant.name for variant in benchmark.DEFAULT_ROWS} <= {variant for variant, _ in launched}
     assert {("deepspeed-zero1", 4), ("deepspeed", 4), ("deepspeed-zero3", 4), ("fsdp", 4), ("ddp", 2),
@@ -108,7 +108,7 @@ def test_real_size_plan_runs_every_default_row_and_the_sharded_ones_at_4():
 def test_real_size_refuses_a_plan_that_does_not_fit_in_memory():
     import benchmark
     import common
-    cells = benchmark.plan(benchmark.parse_args(["--real-size"]), gpus=0)
+    cells = benchmark.plan(benchmark.parse_args(["--real-size"], gpus=0), gpus=0)
     parameters = bert_classifier_parameters(CONFIG, LABELS)
     # 4 processes, each with 16 bytes of model state a parameter and more: over 4 x 16 x 102 M bytes.
     assert benchmark.check_memory(cells, parameters, available=24 * 2**30) > 4 * 16 * parameters

@@ -1,5 +1,5 @@
 """benchmark.py: runs rows (strategies and their variants) with their launchers, interleaves repeats,
-sweeps process counts, and reports exactly what each run measured."""
+sweeps process counts, and reports (benchmark_report.py) exactly what each run measured."""
 import argparse
 import importlib.util
 import json
@@ -8,6 +8,7 @@ import re
 import pytest
 
 import benchmark
+import benchmark_report
 import common
 from conftest import CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, run, run_in_process
 
@@ -190,7 +191,8 @@ def test_every_launch_line_and_the_options_each_row_gets():
     assert options_for("fsdp", grad_accum=2)[-2:] == ["--grad-accum", "2"]
     assert options_for("ddp", profile=5)[-2:] == ["--profile", "5"]
     assert "--profile" not in options_for("hf-trainer", profile=5)  # transformers' own loop
-    assert benchmark.global_batch_label({"global_batch": 64, "gradient_accumulation": 2}) == "64 (2 micro-batches)"
+    assert benchmark_report.global_batch_label({"global_batch": 64, "gradient_accumulation": 2}) == (
+        "64 (2 micro-batches)")
 
     assert options_for("ddp", epochs=2, passthrough=["--lr", "1e-4"]) == [
         "--output-dir", "out", "--model", "tiny", "--epochs", "2", "--lr", "1e-4"]
@@ -205,10 +207,10 @@ def test_every_launch_line_and_the_options_each_row_gets():
 
 def test_an_emulated_precision_and_the_zero_stage_are_marked_in_the_table():
     row = {"precision": "bf16", "precision_native": False, "device": "cpu"}
-    assert benchmark.precision_label(row) == "bf16, emulated on this CPU"
-    assert benchmark.precision_label({**row, "precision_native": True}) == "bf16"
-    assert benchmark.row_label({"row": "deepspeed", "zero_stage": 2}) == "deepspeed (ZeRO-2)"
-    assert benchmark.row_label({"row": "deepspeed-zero3", "zero_stage": 3}) == "deepspeed-zero3"
+    assert benchmark_report.precision_label(row) == "bf16, emulated on this CPU"
+    assert benchmark_report.precision_label({**row, "precision_native": True}) == "bf16"
+    assert benchmark_report.row_label({"row": "deepspeed", "zero_stage": 2}) == "deepspeed (ZeRO-2)"
+    assert benchmark_report.row_label({"row": "deepspeed-zero3", "zero_stage": 3}) == "deepspeed-zero3"
 
 
 def test_a_speedup_within_the_noise_floor_of_another_is_marked():
@@ -222,7 +224,7 @@ def test_a_speedup_within_the_noise_floor_of_another_is_marked():
     single, a, b = report["rows"]
     assert a["indistinguishable_from"] == ["b"] and b["indistinguishable_from"] == ["a"]
     assert single["indistinguishable_from"] == []
-    assert benchmark.speedup_cell(a) == "1.20x ~" and benchmark.speedup_cell(single) == "1.00x"
+    assert benchmark_report.speedup_cell(a) == "1.20x ~" and benchmark_report.speedup_cell(single) == "1.00x"
 
 
 def test_missing_script_or_dependency_is_a_reason_not_a_crash(tmp_path):
@@ -251,8 +253,8 @@ def test_without_matplotlib_the_tables_are_written_and_the_chart_is_left_out(tmp
 
 
 def test_the_benchmark_page_shows_the_committed_benchmark_verbatim():
-    page = benchmark.PUBLISHED_PAGE.read_text(encoding="utf-8")
-    published = benchmark.published_tables(page)
+    page = benchmark_report.PUBLISHED_PAGE.read_text(encoding="utf-8")
+    published = benchmark_report.published_tables(page)
     assert published, "docs/benchmark.md shows no committed benchmark run"
     for path, shown in published.items():
         committed = (ROOT / path).read_text(encoding="utf-8")
@@ -276,10 +278,15 @@ def test_the_chart_draws_only_the_panels_the_run_has_figures_for():
     """A default run has no sweep and no profile: its chart must not show their panels empty."""
     row = {"status": "ok", "speedup": 1.0, "model_state_bytes": {"total": 1}}
     default = {"rows": [row], "counts": [2]}
-    assert benchmark.chart_panels(default) == [benchmark.time_chart, benchmark.accuracy_chart,
-                                               benchmark.speedup_chart, benchmark.memory_chart]
+    from benchmark_report import (accuracy_chart, chart_panels, memory_chart, phase_chart, scaling_chart,
+                                  speedup_chart, time_chart)
+    assert chart_panels(default) == [time_chart, accuracy_chart, speedup_chart, memory_chart]
     swept = {"rows": [{**row, "speedup_vs_1_process": 1.8, "profile": {"phases_ms": {}}}], "counts": [1, 2]}
-    assert benchmark.chart_panels(swept)[-3:] == [benchmark.scaling_chart, benchmark.phase_chart,
-                                                  benchmark.memory_chart]
-    assert benchmark.chart_panels({"rows": [{"status": "failed"}], "counts": [2]}) == [benchmark.time_chart,
-                                                                                       benchmark.accuracy_chart]
+    assert chart_panels(swept)[-3:] == [scaling_chart, phase_chart, memory_chart]
+    assert chart_panels({"rows": [{"status": "failed"}], "counts": [2]}) == [time_chart, accuracy_chart]
+
+
+def test_the_report_presents_from_the_report_alone():
+    """benchmark_report.py reads the report dict (benchmark.json) and nothing else: no torch, no common."""
+    loaded = run([PYTHON, "-c", "import sys, benchmark_report; print(sorted({'torch', 'common'} & set(sys.modules)))"])
+    assert loaded.stdout.strip() == "[]"

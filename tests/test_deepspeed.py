@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 import common
-from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_same_weights, load_weights,
+from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_same_weights, free_port, load_weights,
                       predict_dev_accuracy, read_result, require, run, run_in_process, small_split,
                       untrained_dev_loss)
 
@@ -25,17 +24,11 @@ def deepspeed_installed():
     require("deepspeed")
 
 
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch(*args, output, env=None, check=True):
     """deepspeed --num_gpus 2 on a free port (the launcher's default 29500 may be taken). A run that
     ended well leaves none of DeepSpeed's 66 MB /dev/shm buffers behind: the script removes them."""
     port = free_port()
-    command = [str(BIN / "deepspeed"), "--master_port", str(port), "--num_gpus", "2", SCRIPT, *args,
+    command = [str(BIN / "deepspeed"), "--master_port", port, "--num_gpus", "2", SCRIPT, *args,
                "--output-dir", str(output)]
     process = run(command, env=env, check=check, timeout=600)
     left_behind = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
@@ -91,7 +84,7 @@ def test_two_machines_without_ssh_end_with_the_single_device_weights(tmp_path, s
     two 'machines' of one process each on this computer, with ZeRO-3 in fp32."""
     hostfile, output = tmp_path / "hostfile", tmp_path / "run"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n", encoding="utf-8")
-    port = str(free_port())
+    port = free_port()
     commands = [[str(BIN / "deepspeed"), "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
                  "--master_port", port, "--hostfile", str(hostfile), SCRIPT, *EQUIVALENCE, "--zero-stage", "3",
                  "--batch-size", "16", "--output-dir", str(output)] for node in (0, 1)]

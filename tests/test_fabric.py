@@ -2,14 +2,15 @@
 counts each dev sample once, saves a portable model and checkpoints, and (DDP, 2 processes x 8 x 2
 micro-batches) ends with the single-device weights at 32; under torchrun FSDP2 on 3 processes ends with
 those at 33; a failing rank ends the job; what a CPU cannot run is refused in one line."""
-import importlib.util
 import time
 
 import pytest
+import torch
 import transformers
 
+import common
 import measure
-from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_no_process_left, assert_same_weights,
+from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_no_process_left, assert_same_weights,
                       free_port, load_weights, predict_dev_accuracy, read_result, require, run, run_in_process,
                       small_split, untrained_dev_loss)
 
@@ -25,13 +26,6 @@ def torchrun(processes, *options, env=None, check=True):
     # OMP_NUM_THREADS=1, as torchrun sets it: the script's own thread policy decides.
     return run([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *SMALL,
                 *options], env={"OMP_NUM_THREADS": "1", **(env or {})}, check=check, timeout=600)
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("fabric_script", ROOT / SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_fabric_run_learns_counts_each_dev_sample_once_and_ends_with_the_single_device_weights(
@@ -97,9 +91,9 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
         "multi-gpu-deepspeed-cls.py runs DeepSpeed over gloo"]
     # The same check reads what fabric run passes in LT_* variables: fp16 on CPU is refused, where
     # Fabric itself would train in bf16 after a warning.
-    script = load_script()
-    parser = script.common.build_parser(script.__file__, "")
-    script.add_fabric_args(parser)
+    import fabric_setup  # here: lightning_fabric is checked for first (fabric_installed)
+    parser = common.build_parser(SCRIPT, "")
+    fabric_setup.add_fabric_args(parser)
     refusals = [([], {"LT_PRECISION": "16-mixed"}, "--precision fp16 needs a GPU"),
                 (["--precision", "fp16"], {}, "--precision fp16 needs a GPU"),
                 ([], {"LT_PRECISION": "64-true"}, "fabric run --precision 64-true: this script trains in"),
@@ -110,19 +104,18 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
         with monkeypatch.context() as patch:
             for name, value in env.items():
                 patch.setenv(name, value)
-            with pytest.raises(script.common.UserError, match="^" + message.replace("+", r"\+")):
-                script.resolve_launch(parser.parse_args(["--device", "cpu", *options]))
+            with pytest.raises(common.UserError, match="^" + message.replace("+", r"\+")):
+                fabric_setup.resolve_launch(parser.parse_args(["--device", "cpu", *options]))
     with monkeypatch.context() as patch:  # agreeing ones are taken
         patch.setenv("LT_PRECISION", "bf16-mixed")
         patch.setenv("LT_ACCELERATOR", "cpu")
-        assert script.resolve_launch(parser.parse_args([])) == (script.torch.device("cpu"), "bf16")
+        assert fabric_setup.resolve_launch(parser.parse_args([])) == (torch.device("cpu"), "bf16")
 
 
 def test_fabric_leaves_the_epoch_of_the_suites_sampler_to_the_trainer():
     """Fabric's loader wrapper calls set_epoch(times iterated) on the samplers it finds (loader.sampler,
     loader.batch_sampler.sampler); the suite's GlobalBatchSampler is the batch sampler itself, so the
     Trainer's set_epoch(epoch) stands, and every process and a resumed run shuffle as DDP does."""
-    import common
     from lightning_fabric import Fabric
     train, _ = small_split()
     tokenizer, _ = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})

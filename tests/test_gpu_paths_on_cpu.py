@@ -99,13 +99,11 @@ def test_deepspeed_reduce_bucket_is_ddps_size_not_deepspeeds_two_gigabytes(confi
 
 
 def test_fabric_deepspeed_config_uses_ddps_bucket_size(monkeypatch):
-    spec = importlib.util.spec_from_file_location("fabric_script", ROOT / "multi-gpu-fabric-cls.py")
-    fabric_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fabric_script)
+    import fabric_setup
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the function names cuda; monkeypatch restores it
-    monkeypatch.setattr(fabric_script, "DeepSpeedStrategy", lambda config, timeout: config)
-    config = fabric_script.fabric_strategy(Namespace(fabric_strategy="deepspeed", dist_timeout=60, batch_size=16,
-                                                     grad_accum=1))
+    monkeypatch.setattr(fabric_setup, "DeepSpeedStrategy", lambda config, timeout: config)
+    config = fabric_setup.fabric_strategy(Namespace(fabric_strategy="deepspeed", dist_timeout=60, batch_size=16,
+                                                    grad_accum=1))
     assert config["zero_optimization"]["reduce_bucket_size"] == deepspeed_setup.REDUCE_BUCKET_ELEMENTS
 
 

@@ -2,7 +2,8 @@
 
 `diff single-gpu-cls.py multi-gpu-distributed-cls.py` should show what DDP changes and little else.
 A change that buries a lesson (machinery pasted into a script instead of common.py or a helper
-module) grows its diff past the budget here, and CI says so. Raise a budget only when the lesson
+module such as deepspeed_setup.py, spawn_setup.py, transformers_setup.py or fabric_setup.py) grows
+its diff past the budget here, and CI says so. Raise a budget only when the lesson
 itself grew.
 """
 import difflib
@@ -15,17 +16,17 @@ from conftest import ROOT
 LESSONS = [
     ("single-gpu-cls.py", "multi-gpu-dataparallel-cls.py", 90),
     ("single-gpu-cls.py", "multi-gpu-distributed-cls.py", 110),
-    ("multi-gpu-distributed-cls.py", "multi-gpu-distributed-mp-cls.py", 165),
-    ("multi-gpu-distributed-mp-cls.py", "multi-gpu-distributed-mp-amp-cls.py", 75),
+    ("multi-gpu-distributed-cls.py", "multi-gpu-distributed-mp-cls.py", 80),
+    ("multi-gpu-distributed-mp-cls.py", "multi-gpu-distributed-mp-amp-cls.py", 65),
     ("multi-gpu-distributed-cls.py", "multi-gpu-horovod-cls.py", 175),
     ("multi-gpu-distributed-cls.py", "multi-gpu-deepspeed-cls.py", 230),
     ("multi-gpu-distributed-cls.py", "multi-gpu-accelerate-cls.py", 180),
     ("multi-gpu-distributed-cls.py", "multi-gpu-fsdp-cls.py", 180),
-    ("multi-gpu-distributed-cls.py", "multi-gpu-fabric-cls.py", 340),
-    ("multi-gpu-distributed-cls.py", "multi-gpu-transformers-cls.py", 530),
+    ("multi-gpu-distributed-cls.py", "multi-gpu-fabric-cls.py", 150),
+    ("multi-gpu-distributed-cls.py", "multi-gpu-transformers-cls.py", 185),
 ]
 # No script is longer than this, docstring and comments included.
-MAX_SCRIPT_LINES = 500
+MAX_SCRIPT_LINES = 200
 
 
 def changed_lines(before, after):

@@ -1,26 +1,18 @@
 """The native PyTorch strategies on CPU with gloo and 2 processes: DataParallel (its CPU fallback),
 DDP under torchrun, the legacy torch.distributed.launch and torch.multiprocessing.spawn, DDP + AMP."""
 import re
-import socket
 import subprocess
 
 import pytest
 import torch
 
 import common
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_same_weights,
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_same_weights, free_port,
                       read_result, run, run_in_process, untrained_dev_loss)
 
 # 2 processes at batch 16 see the same global batches as single-gpu-cls.py at 32 (single_reference).
 EQUIVALENT = [*SMALL, *EXACT, "--batch-size", "16"]
 TORCHRUN = str(BIN / "torchrun")
-
-
-def free_port():
-    """A port nothing listens on, so a test never meets the rendezvous of an earlier one."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return str(probe.getsockname()[1])
 
 
 def torchrun(*args):

@@ -9,24 +9,18 @@ import time
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, require, run, run_in_process
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, free_port, require, run, run_in_process
 
 
 def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 LAUNCH = {
     "torchrun": lambda: [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
                          "multi-gpu-distributed-cls.py"],
     "spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2"],
-    "deepspeed": lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+    "deepspeed": lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
                           "multi-gpu-deepspeed-cls.py"],
 }
 

@@ -1,0 +1,399 @@
+"""The benchmark's report, from the report that benchmark.py collects (benchmark.json holds the same):
+the tables for the terminal and for Markdown with their legends, the chart, and publishing a run to
+docs/results/ and docs/benchmark.md. It measures and computes nothing: benchmark.py has done that."""
+import importlib.util
+import os
+import re
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RESULTS_DIR = ROOT / "docs" / "results"
+PUBLISHED_PAGE = ROOT / "docs" / "benchmark.md"
+
+# ----------------------------------------------------------------------------- the tables
+
+MAIN_COLUMNS = ["row", "processes", "precision", "global batch", "train s", "samples/s", "speed-up", "dev acc",
+                "dev n", "status"]
+DETAIL_COLUMNS = ["row", "strategy", "launcher", "threads", "device", "tokens+pad", "peak MB", "macro-F1", "wall s",
+                  "options"]
+SCALING_COLUMNS = ["row", "processes", "samples/s", "speed-up vs 1 process", "scaling efficiency"]
+MEMORY_COLUMNS = ["row", "processes", "weights MB", "gradients MB", "optimizer state MB", "model state MB",
+                  "ZeRO formula MB", "peak MB", "beyond model state MB"]
+PHASE_COLUMNS = ["row", "step ms", "data loading", "forward", "backward", "optimizer step", "exposed comm.",
+                 "overlapped comm.", "collectives: ms per step (exposed), phase"]
+MODEL_STATE_PARTS = ("parameters", "gradients", "optimizer_state")
+
+
+def precision_label(row):
+    """The row's precision, marked when the device only emulates it: such a row measures the emulation."""
+    if row["precision_native"]:
+        return row["precision"]
+    return f"{row['precision']}, emulated on this {'GPU' if row['device'].startswith('cuda') else 'CPU'}"
+
+
+def row_label(row):
+    """The row's name, with the ZeRO stage when the name does not say it (the default deepspeed row)."""
+    if row.get("zero_stage") is not None and "zero" not in row["row"]:
+        return f"{row['row']} (ZeRO-{row['zero_stage']})"
+    return row["row"]
+
+
+def spread(row, key, repeat):
+    value = f"{row[key]:.1f}"
+    return value if repeat == 1 else f"{value} ({row[key + '_min']:.1f}-{row[key + '_max']:.1f})"
+
+
+def speedup_cell(row):
+    if row.get("speedup") is None:
+        return "n/a"
+    return f"{row['speedup']:.2f}x" + (" ~" if row["indistinguishable_from"] else "")
+
+
+def main_cells(row, repeat):
+    if row["status"] != "ok":
+        reason = row["reason"] or "not run yet"
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        return [row["row"]] + [""] * (len(MAIN_COLUMNS) - 2) + [f"{row['status']}: {reason}"]
+    return [row_label(row), str(row["processes"]), precision_label(row), global_batch_label(row),
+            spread(row, "train_seconds", repeat), f"{row['samples_per_second']:.1f}", speedup_cell(row),
+            f"{row['dev_accuracy']:.4f}", str(row["dev_samples"]), "ok"]
+
+
+def global_batch_label(row):
+    accumulation = row.get("gradient_accumulation", 1)
+    return f"{row['global_batch']} ({accumulation} micro-batches)" if accumulation > 1 else str(row["global_batch"])
+
+
+def detail_cells(row, repeat):
+    if row["status"] != "ok":
+        return [row["row"], row["strategy"], row["launcher"]] + [""] * (len(DETAIL_COLUMNS) - 4) + [
+            " ".join(row["options"])]
+    return [row_label(row), row["strategy"], row["launcher"], str(row["threads_per_process"]), row["device"],
+            f"{row['tokens_per_sample']:.1f}+{row['padded_tokens_per_sample']:.1f}", f"{row['peak_memory_mb']:.0f}",
+            f"{row['dev_macro_f1']:.4f}", spread(row, "wall_seconds", repeat), " ".join(row["options"])]
+
+
+def scaling_cells(row):
+    return [row_label(row), str(row["processes"]), f"{row['samples_per_second']:.1f}",
+            f"{row['speedup_vs_1_process']:.2f}x", f"{row['scaling_efficiency']:.0%}"]
+
+
+def memory_cells(row):
+    held, formula = row["model_state_bytes"], row["model_state_formula_bytes"]
+    stage = f" (stage {formula['zero_stage']})" if formula["zero_stage"] else ""
+    return [row_label(row), str(row["processes"])] + [f"{held[part] / 2**20:.2f}" for part in MODEL_STATE_PARTS] + [
+        f"{held['total'] / 2**20:.2f}", f"{formula['total'] / 2**20:.2f}{stage}", f"{row['peak_memory_mb']:.0f}",
+        f"{row['peak_memory_mb'] - held['total'] / 2**20:.0f}"]
+
+
+def phase_cells(row):
+    profile = row["profile"]
+    collectives = ", ".join(f"{name} {c['ms']:.1f} ({c['exposed_ms']:.1f}), {c['during']}"
+                            for name, c in profile["collectives"].items())
+    return [row_label(row), f"{profile['step_ms']:.1f}"] + [f"{ms:.1f}" for ms in profile["phases_ms"].values()] + [
+        f"{profile['overlapped_communication_ms']:.1f}", collectives or "none"]
+
+
+def memory_rows(report):
+    return [row for row in report["rows"] if row.get("model_state_bytes")]
+
+
+def phase_rows(report):
+    return [row for row in report["rows"] if row.get("profile")]
+
+
+def scaling_rows(report):
+    return [row for row in report["rows"] if row.get("speedup_vs_1_process") is not None]
+
+
+def header_lines(report):
+    git = report["git"]
+    code = f"{git['commit'][:12]}{' (modified)' if git['modified'] else ''}" if git["commit"] else "not a git checkout"
+    lines = [f"machine: {report['machine']['summary']}",
+             "libraries: " + ", ".join(f"{name} {version}" for name, version in report["versions"].items()),
+             f"code: commit {code}",
+             f"model: {report['model']}" + (f", {report['model_note']}" if report["model_note"] else "")]
+    done = [row for row in report["rows"] if row["status"] == "ok"]
+    batch = (f"global batch {report['global_batch']} for all (strong scaling)" if report["global_batch"]
+             else "the same batch per device for all, so the global batch grows with the devices (weak scaling)")
+    data = f"{done[0]['train_samples']} train samples, {done[0]['epochs']} epoch(s), " if done else ""
+    precision = (f"--precision {report['precision']} where a strategy offers it, else fp32" if report["precision"]
+                 else "fp32 except ddp-amp")
+    stop = f"--max-steps {report['max_steps']} then the whole dev set, " if report.get("max_steps") else ""
+    lines.append(f"runs: {data}{stop}{batch}, {precision}, --nprocs {report['nprocs']}, "
+                 f"{report['repeat']} launch(es) per row" +
+                 (", interleaved; median run shown, min-max in brackets" if report["repeat"] > 1 else "") +
+                 f", finished {report['finished']}")
+    if report["noise_floor"] is None:
+        lines.append("noise floor: not measured (one launch per row; --repeat 3 measures it)")
+    else:
+        lines.append(f"noise floor: {report['noise_floor']:.1%}, the largest (max - min) / median of any row's "
+                     "training times; a speed-up marked ~ is within it of another row's: their order is not "
+                     "significant")
+    oversubscribed = [count for count in report["counts"] if count > report["machine"]["cores"]]
+    if oversubscribed and not report["machine"]["gpus"]:
+        lines.append(f"note: {' and '.join(map(str, oversubscribed))} processes exceed the "
+                     f"{report['machine']['cores']} usable cores: those runs prove the mechanics, not the speed")
+    return lines
+
+
+LEGEND = ("train s: the training loop only (rank 0). samples/s: samples trained / train s. speed-up: samples/s "
+          "over the single-device run's. A precision marked 'emulated' is computed in software by this device: "
+          "the row measures the emulation, not mixed precision. dev n: dev samples evaluated.")
+DETAIL_LEGEND = ("threads: torch threads per process. tokens+pad: real tokens and the padding computed with them, "
+                 "per training sample. peak MB: GPU memory allocated by torch on CUDA, else peak resident memory "
+                 "of rank 0. wall s: the whole launch, start-up included.")
+MEMORY_LEGEND = ("Model state held by each process at its optimizer step (rank 0), counted from its tensors: the "
+                 "weights, the gradients and the optimizer state (Adam's moments, and the fp32 master weights "
+                 "DeepSpeed keeps). ZeRO formula: what the ZeRO paper predicts for the row's stage, precision and "
+                 "processes; docs/anatomy.md explains each difference. peak MB: as in the details (on a CPU the "
+                 "process's peak resident memory, libraries included); beyond model state: peak MB - model state "
+                 "(activations, buffers, communication buckets, and on a CPU the libraries).")
+PHASE_LEGEND = ("Milliseconds per recorded step on rank 0 (--profile): the phases add up to the step. Communication "
+                "that runs while the process computes is overlapped; what the process waits for is exposed, and "
+                "is taken out of the phase that waited.")
+SCALING_LEGEND = ("speed-up vs 1 process: samples/s over the same row's 1-process run; scaling efficiency: that "
+                  "speed-up / processes (100% is ideal).")
+
+
+def markdown_table(columns, rows):
+    def line(values):
+        return "| " + " | ".join(value.replace("|", "\\|") for value in values) + " |"
+    return [line(columns), line(["---"] * len(columns))] + [line(row) for row in rows]
+
+
+def markdown_body(report):
+    """The report without its title: what docs/benchmark.md publishes verbatim."""
+    rows, repeat = report["rows"], report["repeat"]
+    text = [f"- {line}" for line in header_lines(report)] + [""]
+    text += markdown_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows]) + ["", LEGEND, ""]
+    if scaling_rows(report):
+        text += ["Scaling:", ""] + markdown_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
+        text += ["", SCALING_LEGEND, ""]
+    if memory_rows(report):
+        text += ["Model state per process:", ""]
+        text += markdown_table(MEMORY_COLUMNS, [memory_cells(row) for row in memory_rows(report)])
+        text += ["", MEMORY_LEGEND, ""]
+    if phase_rows(report):
+        text += ["Step anatomy:", ""] + markdown_table(PHASE_COLUMNS, [phase_cells(r) for r in phase_rows(report)])
+        text += ["", PHASE_LEGEND, ""]
+    text += ["Details:", ""] + markdown_table(DETAIL_COLUMNS, [detail_cells(row, repeat) for row in rows])
+    text += ["", DETAIL_LEGEND, "", "Commands:", ""]
+    text += [f"- {row['row']}: `{row['command']}`" for row in rows if row.get("command")]
+    return "\n".join(text) + "\n"
+
+
+def markdown(report):
+    return "# Benchmark\n\n" + markdown_body(report)
+
+
+def terminal_table(columns, rows):
+    rows = [columns] + rows
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    return ["  ".join(value.ljust(width) for value, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def terminal_report(report):
+    rows, repeat = report["rows"], report["repeat"]
+    text = header_lines(report) + [""] + terminal_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows])
+    text += ["", LEGEND]
+    if scaling_rows(report):
+        text += ["", "scaling:"] + terminal_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
+    if memory_rows(report):
+        text += ["", "model state per process:"]
+        text += terminal_table(MEMORY_COLUMNS, [memory_cells(row) for row in memory_rows(report)])
+    if phase_rows(report):
+        text += ["", "step anatomy (ms per step):"]
+        text += terminal_table(PHASE_COLUMNS, [phase_cells(row) for row in phase_rows(report)])
+    text += ["", "details:"] + terminal_table(DETAIL_COLUMNS, [detail_cells(row, repeat) for row in rows])
+    return "\n".join(text + ["", "commands:"] + [f"  {row['row']}: {row['command']}" for row in rows
+                                                 if row.get("command")])
+
+
+def write_text(path, text):
+    """Atomically, as common.write_json: a reader never sees half a file."""
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staging.write_text(text, encoding="utf-8")
+    os.replace(staging, path)
+
+
+# ----------------------------------------------------------------------------- the chart
+
+def chart(report, path):
+    """The panels the run has figures for (chart_panels), three to a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = chart_panels(report)
+    columns = 2 if len(panels) in (2, 4) else min(3, len(panels))
+    lines = -(-len(panels) // columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(6.4 * columns, 5.2 * lines), squeeze=False)
+    for panel, axis in zip(panels, axes.flat):
+        panel(axis, report)
+    for axis in axes.flat[len(panels):]:
+        axis.remove()
+    figure.suptitle(f"{report['machine']['summary']} | model {report['model']}", fontsize=9)
+    figure.tight_layout()
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    figure.savefig(staging, format="png", dpi=100)
+    plt.close(figure)
+    os.replace(staging, path)
+
+
+def chart_panels(report):
+    """Time and dev accuracy per row always; the speed-up per row when there is a single row to
+    compare with; the speed-up against processes for a sweep (--nprocs 1,2,...); the time per step
+    by phase with --profile; the model state per process. A panel without figures is left out."""
+    panels = [time_chart, accuracy_chart]
+    if any(row.get("speedup") is not None for row in report["rows"]):
+        panels.append(speedup_chart)
+    if len(report["counts"]) > 1 and scaling_rows(report):
+        panels.append(scaling_chart)
+    if phase_rows(report):
+        panels.append(phase_chart)
+    if memory_rows(report):
+        panels.append(memory_chart)
+    return panels
+
+
+def row_bars(axis, report, values, offset=0.0, **style):
+    """One bar per row (shifted by `offset` from its label), a failed row marked with its status instead."""
+    rows = report["rows"]
+    positions = range(len(rows))
+    axis.bar([p + offset for p in positions], [value if row["status"] == "ok" else 0
+                                               for row, value in zip(rows, values)], **style)
+    axis.set_xticks(list(positions), [row_label(row) if row["status"] == "ok" else row["row"] for row in rows],
+                    rotation=30, ha="right", fontsize=8)
+    for position, row in zip(positions, rows):
+        if row["status"] != "ok":
+            axis.text(position, 0, row["status"], rotation=90, ha="center", va="bottom", color="tab:red")
+
+
+def time_chart(axis, report):
+    rows = report["rows"]
+    ok = [row["status"] == "ok" for row in rows]
+    train = [row["train_seconds"] if good else 0 for row, good in zip(rows, ok)]
+    wall = [row["wall_seconds"] if good else 0 for row, good in zip(rows, ok)]
+    positions = range(len(rows))
+    row_bars(axis, report, train, offset=-0.2, width=0.4, label="training loop")
+    axis.bar([p + 0.2 for p in positions], wall, 0.4, label="whole launch (wall)", alpha=0.5)
+    if report["repeat"] > 1:
+        for p, row, good in zip(positions, rows, ok):
+            if good:
+                axis.plot([p - 0.2] * 2, [row["train_seconds_min"], row["train_seconds_max"]], color="black")
+    axis.set_ylabel("seconds")
+    axis.set_title("time per row (lower is better; black: min-max of the repeats)", fontsize=9)
+    axis.legend()
+
+
+def accuracy_chart(axis, report):
+    row_bars(axis, report, [row.get("dev_accuracy") or 0 for row in report["rows"]], width=0.6, color="tab:green")
+    # A model that always answers 其他 scores this on the default dev set (271 of its 800 samples).
+    axis.axhline(271 / 800, color="gray", linestyle="--", label="always 'other' (33.9% of the default dev set)")
+    axis.legend(loc="upper right")
+    axis.set_ylim(0, 1)
+    axis.set_ylabel("dev accuracy")
+    axis.set_title("dev accuracy per row", fontsize=9)
+
+
+def speedup_chart(axis, report):
+    row_bars(axis, report, [row.get("speedup") or 0 for row in report["rows"]], width=0.6, color="tab:purple")
+    axis.axhline(1, color="gray", linestyle="--", label="single (1.00x)")
+    axis.legend(loc="upper right")
+    axis.set_ylabel("samples/s over the single row's")
+    axis.set_title("speed-up per row (higher is better)", fontsize=9)
+
+
+def scaling_chart(axis, report):
+    counts = report["counts"]
+    axis.plot([1, counts[-1]], [1, counts[-1]], color="gray", linestyle="--", label="ideal")
+    for variant in dict.fromkeys(row["variant"] for row in scaling_rows(report)):
+        points = sorted((row["nprocs"], row["speedup_vs_1_process"]) for row in scaling_rows(report)
+                        if row["variant"] == variant)
+        axis.plot(*zip(*points), marker="o", label=variant)
+    kind = "strong scaling: global batch fixed" if report["global_batch"] else "weak scaling: batch per process fixed"
+    axis.set_title(f"speed-up vs processes ({kind})", fontsize=9)
+    axis.set_xlabel("processes")
+    axis.set_ylabel("samples/s over the same row's 1-process run")
+    axis.set_xticks(counts)
+    axis.legend(fontsize=8)
+
+
+def stacked_bars(axis, labels, parts):
+    """One bar per label, stacked from {part name: [value per label]}."""
+    bottom = [0.0] * len(labels)
+    for name, values in parts.items():
+        axis.bar(range(len(labels)), values, 0.6, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    axis.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    axis.legend(fontsize=8)
+    return bottom
+
+
+def phase_chart(axis, report):
+    rows = phase_rows(report)
+    axis.set_title("time per step by phase, rank 0 (--profile; lower is better)", fontsize=9)
+    axis.set_ylabel("milliseconds per step")
+    phases = list(rows[0]["profile"]["phases_ms"])
+    stacked_bars(axis, [row_label(row) for row in rows],
+                 {phase: [row["profile"]["phases_ms"][phase] for row in rows] for phase in phases})
+
+
+def memory_chart(axis, report):
+    rows = memory_rows(report)
+    axis.set_title("model state per process, rank 0 (black: the ZeRO formula)", fontsize=9)
+    axis.set_ylabel("MB")
+    stacked_bars(axis, [row_label(row) for row in rows],
+                 {part.replace("_", " "): [row["model_state_bytes"][part] / 2**20 for row in rows]
+                  for part in MODEL_STATE_PARTS})
+    axis.scatter(range(len(rows)), [row["model_state_formula_bytes"]["total"] / 2**20 for row in rows], color="black",
+                 marker="_", s=400, zorder=3)
+
+
+def write(report, output_dir, final):
+    """benchmark.md, and at the end of the run benchmark.png (where matplotlib is installed)."""
+    write_text(output_dir / "benchmark.md", markdown(report))
+    if final and importlib.util.find_spec("matplotlib") is None:
+        print("benchmark.png not drawn: matplotlib is not installed here (pip install -r requirements.txt)")
+    elif final:
+        chart(report, output_dir / "benchmark.png")
+
+
+# ----------------------------------------------------------------------------- publishing
+
+README_BLOCK = re.compile(r"(<!-- results: (?P<path>\S+) -->\n)(?P<body>.*?)(<!-- end results -->)", re.S)
+
+
+def published_tables(readme_text):
+    """{path of a published benchmark.md: the text a page shows for it}."""
+    return {match["path"]: match["body"] for match in README_BLOCK.finditer(readme_text)}
+
+
+def publish(report, output_dir):
+    """Copy the run to docs/results/<machine>/ and show its table on docs/benchmark.md, verbatim."""
+    # A real-size run keeps its own folder beside the machine's tiny-model benchmark.
+    folder = machine_slug(report["machine"]) + ("-base-shape" if report["model"] == "base-shape" else "")
+    target = RESULTS_DIR / folder
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("benchmark.md", "benchmark.json", "benchmark.png"):
+        shutil.copyfile(output_dir / name, target / name)
+    page, path = PUBLISHED_PAGE, str((target / "benchmark.md").relative_to(ROOT))
+    shown = f"{target.relative_to(ROOT)}/"
+    body = markdown_body(report)
+    text = page.read_text(encoding="utf-8")
+    if path in published_tables(text):
+        text = README_BLOCK.sub(lambda m: m.group(1) + body + m.group(4) if m["path"] == path else m.group(0), text)
+        write_text(page, text)
+        return f"{shown} and its table in {page.relative_to(ROOT)}"
+    return f"{shown} (add <!-- results: {path} --> ... <!-- end results --> to {page.relative_to(ROOT)} to show it)"
+
+
+def machine_slug(machine):
+    """A folder name for the machine's published results, e.g. amd-epyc-2-cores."""
+    if machine["gpus"]:
+        name = f"{len(machine['gpus'])}x-{machine['gpus'][0]}"
+    else:
+        name = f"{machine['cpu']}-{machine['cores']}-cores"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

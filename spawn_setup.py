@@ -1,0 +1,89 @@
+"""The helpers of the spawn scripts (multi-gpu-distributed-mp-cls.py and its AMP variant) that are not
+the lesson: torchrun's options and checks, a free rendezvous port, and stopping the processes as
+torchrun would. free_port also serves benchmark.py and the tests, which import this module without
+torch: torch and common are imported where they are used."""
+import socket
+import time
+
+# Seconds the processes get to stop on their own (after a failure or a SIGTERM) before they are killed.
+SHUTDOWN_GRACE_SECONDS = 10
+
+
+def add_launch_args(parser):
+    """The options torchrun took, now the script's own."""
+    parser.add_argument("--nprocs", type=int, help="processes on this machine; None = one per GPU, or 2 on CPU")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines taking part")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index: 0 .. nnodes - 1")
+    parser.add_argument("--master-addr", help="address of the --node-rank 0 machine; None = 127.0.0.1")
+    parser.add_argument("--master-port", type=int, help="rendezvous port; None = a free one")
+
+
+def check_launch(args, gpus):
+    """Fill in the defaults that depend on the machine (its `gpus`) and refuse launches that cannot meet."""
+    import common
+    if args.nprocs is None:
+        args.nprocs = gpus or 2
+    if args.nprocs < 1 or args.nnodes < 1:
+        raise common.UserError("--nprocs and --nnodes must be at least 1")
+    if gpus and args.nprocs > gpus and args.backend != "gloo":
+        raise common.UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
+                               "--backend gloo lets them share the GPUs")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise common.UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
+    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        raise common.UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
+                               "of the --node-rank 0 machine) and --master-port")
+    args.master_addr = args.master_addr or "127.0.0.1"
+    if args.master_port is None:
+        args.master_port = free_port()
+    elif args.node_rank == 0 and not port_is_free(args.master_port):
+        raise common.UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
+                               "or leave it out to get a free one")
+
+
+def free_port():
+    """A port nothing listens on, picked by the system, as the text a command line or MASTER_PORT takes.
+    A fixed default (torchrun's 29500) makes a second job on the same machine, or a launch that
+    follows an earlier one too closely, fail to start."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return str(probe.getsockname()[1])
+
+
+def port_is_free(port):
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
+def wait_for(processes, first_failure, args):
+    """Wait for the processes of `mp.start_processes(..., join=False)`. If one fails, the others get a
+    grace period, then are stopped, and the job ends naming the first rank that failed; if the job is
+    interrupted (Ctrl-C, or SIGTERM from a scheduler), they are stopped before the script exits."""
+    import torch.multiprocessing as mp
+    try:
+        while not processes.join(grace_period=SHUTDOWN_GRACE_SECONDS):
+            pass
+    except KeyboardInterrupt:
+        stop(processes.processes)
+        raise
+    except mp.ProcessExitedException as error:
+        if error.exit_code == 2:  # a user error: the process has already said what to fix
+            raise SystemExit(2) from None
+        rank = first_failure.value if first_failure.value >= 0 else args.node_rank * args.nprocs + error.error_index
+        cause = f"killed by {error.signal_name}" if error.signal_name else f"exit code {error.exit_code}"
+        raise SystemExit(f"error: rank {rank} failed ({cause}); the other processes were stopped") from None
+
+
+def stop(processes):
+    """End the processes as torchrun would: SIGTERM (they clean up as on Ctrl-C), then SIGKILL."""
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()

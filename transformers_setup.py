@@ -1,0 +1,361 @@
+"""The helpers of multi-gpu-transformers-cls.py that are not the lesson: transformers.Trainer's
+defaults set back to the suite's (its learning-rate decay, clipping, fused AdamW, sampler and loaders,
+loss and loss averaging), the DeepSpeed config and the gloo group of CPU processes, the suite's
+printed lines and measurements taken from the Trainer's callbacks, and what the Trainer cannot do,
+refused in one line."""
+import os
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate import PartialState
+from sklearn.metrics import accuracy_score, classification_report, f1_score
+from transformers import ProgressCallback, Trainer, TrainerCallback
+
+import common
+import measure
+
+SCRIPT = "multi-gpu-transformers-cls.py"
+
+
+def refuse_what_the_trainer_cannot_do(args):
+    if args.resume or args.save_steps:
+        raise common.UserError(f"--resume and --save-steps are not available in {SCRIPT}: the Trainer's own "
+                               "checkpoints lack the suite's meaning checks and sampler position (see its docstring)")
+    if args.profile:
+        raise common.UserError(f"--profile is not available in {SCRIPT}: its phases wrap common.Trainer's loop, "
+                               "which transformers.Trainer replaces here")
+    if args.deepspeed and args.fsdp:
+        raise common.UserError("--deepspeed and --fsdp exclude each other: pick one")
+
+
+def refuse_what_this_machine_cannot_do(args, device, launched, deepspeed_config):
+    common.check_precision(args.precision, device)
+    if device.type == "cuda" and not launched and torch.cuda.device_count() > 1:
+        raise common.UserError(f"python {SCRIPT} on a machine with {torch.cuda.device_count()} GPUs: the Trainer "
+                               "would run DataParallel over all of them; use torchrun --nproc_per_node N, or "
+                               "CUDA_VISIBLE_DEVICES=0 for one GPU")
+    if args.fsdp and device.type == "cpu":
+        raise common.UserError("--fsdp needs GPUs: with CPU processes Accelerate drops the Trainer's FSDP plugin and "
+                               "trains plain DDP instead; multi-gpu-fsdp-cls.py runs FSDP2 on CPUs")
+    if deepspeed_config is not None and not launched:
+        raise common.UserError(f"--deepspeed runs under a launcher: deepspeed --num_gpus N {SCRIPT} or torchrun")
+    if deepspeed_config is not None and device.type == "cpu" and torch.cuda.is_available():
+        raise common.UserError("--deepspeed with --device cpu on a GPU machine: Accelerate would still put each "
+                               "process on a GPU; hide the GPUs instead: CUDA_VISIBLE_DEVICES=")
+
+
+def read_deepspeed_config(path):
+    """The DeepSpeed config file with what the suite decides left to the Trainer: "auto" makes
+    TrainingArguments fill batch sizes, clipping and precision from the command line."""
+    config = common.read_json_object(path, "DeepSpeed config")
+    if "optimizer" in config or "scheduler" in config:
+        raise common.UserError(f"{path}: remove its optimizer/scheduler section: the suite builds AdamW from --lr "
+                               "and --weight-decay, with a constant learning rate")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                "gradient_clipping"):
+        if config.get(key, "auto") != "auto":
+            raise common.UserError(f"{path} sets {key}: leave it out (the command line sets it)")
+        config[key] = "auto"
+    for precision in ("fp16", "bf16"):
+        config[precision] = {**config.get(precision, {}), "enabled": "auto"}
+    zero = config.setdefault("zero_optimization", {})
+    if zero.get("stage", 0) == 3:  # so that Accelerate gathers the whole weights for saving
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return config
+
+
+def name_deepspeed_accelerator(device):
+    """Accelerate imports DeepSpeed when it is installed (unwrap_model), and DeepSpeed picks its
+    accelerator once, on import: name it (--device cpu on a GPU machine, and no detection warning
+    on a CPU one)."""
+    os.environ["DS_ACCELERATOR"] = device.type
+
+
+def join_group_on_cpu(args, deepspeed):
+    """Join the gloo group of CPU processes before TrainingArguments would, which the Trainer then
+    uses (accelerator_config use_configured_state). TrainingArguments passes Accelerate no timeout
+    for CPU processes (training_args.py, _setup_devices), so --dist-timeout would not apply; and for
+    DeepSpeed it names no backend, for which Accelerate finds none without GPUs
+    (accelerate/state.py, PartialState._prepare_backend): each process would take itself for the
+    only one."""
+    timeout = timedelta(seconds=args.dist_timeout)
+    if not deepspeed:
+        PartialState(cpu=True, backend="gloo", timeout=timeout)
+        return
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # how TrainingArguments asks Accelerate for DeepSpeed
+    PartialState(backend="gloo", timeout=timeout)
+    del os.environ["ACCELERATE_USE_DEEPSPEED"]
+
+
+def suite_defaults(device, launched, own_group, deepspeed_config):
+    """The TrainingArguments that set the Trainer's defaults back to the suite's, and those that
+    follow from how the processes were started."""
+    return dict(
+        lr_scheduler_type="constant",                 # not its linear decay to 0: the suite's lr is constant
+        max_grad_norm=0.0,                            # not its clipping at 1.0: no script of the suite clips
+        logging_strategy="steps",
+        disable_tqdm=False,                           # its progress bar (our lines replace its log dictionaries)
+        eval_strategy="no",                           # --eval-steps: SuiteLines, never at the last step
+        save_strategy="no", report_to="none",         # no checkpoint-N folders, no experiment trackers
+        use_cache=True,                               # it writes this into the model's config: keep BERT's
+        use_cpu=device.type == "cpu" and deepspeed_config is None,
+        ddp_backend="nccl" if launched and device.type == "cuda" and deepspeed_config is None else None,
+        ddp_find_unused_parameters=False,             # its default for a transformers model is True: a graph
+                                                      # search after every forward, which BERT does not need
+        average_tokens_across_devices=False,          # True all-gathers a label count every step, for a loss
+                                                      # normalisation our compute_loss does not use
+        accelerator_config={"use_configured_state": True} if own_group else None,  # join_group_on_cpu's group
+    )
+
+
+class TransformersTrainer(common.TorchDistributed):
+    """The suite's view of this run: rank, device and collectives for loading data and the result file."""
+
+    name = "hf-trainer"
+
+    def __init__(self, device, rank, world_size, precision, local_world_size, launcher, deepspeed_config):
+        super().__init__(device, rank, world_size, precision, local_world_size)
+        self.launcher, self.deepspeed_config = launcher, deepspeed_config
+        self.engine = None  # the DeepSpeed engine, for measure.py's model-state count
+
+    def reduce_mean(self, tensor):
+        return super().reduce_mean(tensor) if self.world_size > 1 else tensor
+
+    def gather(self, tensor):
+        return super().gather(tensor) if self.world_size > 1 else tensor
+
+    def broadcast_object(self, value):
+        return super().broadcast_object(value) if self.world_size > 1 else value
+
+    def gather_objects(self, value):
+        return super().gather_objects(value) if self.world_size > 1 else [value]
+
+    def versions(self):
+        import accelerate
+        versions = {"accelerate": accelerate.__version__}
+        if self.deepspeed_config:
+            import deepspeed
+            versions["deepspeed"] = deepspeed.__version__
+        return versions
+
+    def result_extras(self):
+        if not self.deepspeed_config:
+            return {}
+        return {"zero_stage": self.deepspeed_config["zero_optimization"].get("stage", 0),
+                "deepspeed_config": self.deepspeed_config}
+
+
+def suite_strategy(args, training_args, device, launched, rank, world_size, local_world_size):
+    """The suite's Strategy, once TrainingArguments has joined the processes: which launcher started
+    them, and DeepSpeed's config with its "auto" values filled in."""
+    if training_args.world_size != world_size:
+        raise common.UserError(f"the launcher started {world_size} process(es) but the Trainer sees "
+                               f"{training_args.world_size}")
+    launcher = "torchrun" if launched else "python"
+    if args.local_rank is not None:
+        launcher = "deepspeed" if args.deepspeed else "torch.distributed.launch"
+    deepspeed_config = training_args.hf_deepspeed_config.config if args.deepspeed else None
+    return TransformersTrainer(device, rank, world_size, args.precision, local_world_size, launcher,
+                               deepspeed_config)
+
+
+class SuiteTrainer(Trainer):
+    """transformers.Trainer with the suite's data, optimizer and loss in place of its own defaults, and
+    the suite's printed lines and measurements as callbacks. `suite` is the common.Trainer of this run,
+    which holds the loaders and reports."""
+
+    # training_step divides the loss by the number of micro-batches unless told it is already
+    # scaled for accumulation (trainer.py, training_step). The suite's weights are: each sample
+    # weighs 1 / (samples in its optimizer step), so the micro-batches' losses add up to the step's mean.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, suite, **kwargs):
+        self.suite, self.torch_optimizer = suite, None
+        super().__init__(**kwargs)
+        self.remove_callback(ProgressCallback)  # SuiteLines keeps its bar and prints the suite's lines
+        self.add_callback(SuiteLines(suite.args, suite.train_loader))
+        self.measurements = Measurements(self, suite.strategy, suite.train_loader)
+        self.add_callback(self.measurements)
+        self.add_callback(SuiteEpochs(suite.train_loader.batch_sampler))
+
+    # The suite's loaders, not the Trainer's: its own (a random sampler, sharded by Accelerate's
+    # prepare, which evens out the processes' last batches by training samples twice, and its
+    # padding collator) would take other batches. GlobalBatchSampler deals each global batch out
+    # exactly as DDP's script does, with repeats of weight 0.
+    def get_train_dataloader(self):
+        return self.suite.train_loader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self.suite.dev_loader
+
+    def create_optimizer(self, model=None):
+        # The suite's AdamW (torch's, not the fused one the Trainer defaults to on torch >= 2.8;
+        # no decay on biases and LayerNorm weights). Built here rather than passed as
+        # Trainer(optimizers=...): FSDP refuses a ready optimizer, and DeepSpeed discards it and
+        # calls this method (integrations/deepspeed.py, deepspeed_optim_sched).
+        if self.optimizer is None:
+            self.optimizer = self.torch_optimizer = common.make_optimizer(model or self.model, self.suite.lr,
+                                                                          self.suite.args.weight_decay)
+        return self.optimizer
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # The suite's loss-weighting rule, exactly as common.Trainer.forward: the model gets only
+        # its inputs (the collate's `index` and `weight` are ours, and without `labels` it computes
+        # no loss of its own, which would average this process's batch alone); each sample weighs
+        # 1 / (samples in the global batch), and x processes turns DDP's (or DeepSpeed's) gradient
+        # average into the sum over processes: the single-device mean. num_items_in_batch, the
+        # Trainer's token count for its own averaging, is not needed. (Under DeepSpeed in bf16/fp16
+        # the Trainer casts every float input to that type, the weights too (trainer.py,
+        # _prepare_input): 1/33 moves by up to 0.2%, the same factor for the whole step, which
+        # Adam's update does not see. In fp32 they stay exact.)
+        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        per_sample = F.cross_entropy(outputs.logits.float(), inputs["labels"], reduction="none")
+        loss = (per_sample * inputs["weight"]).sum() * self.args.world_size
+        if return_outputs:
+            # Evaluation gathers these across processes; index and weight let compute_metrics
+            # count each dev sample once.
+            return loss, {"logits": outputs.logits, "index": inputs["index"], "weight": inputs["weight"]}
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.measurements.count_tokens(inputs)  # beside the lesson: tokens per sample for result.json
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def dev_metrics(prediction, dev_size):
+    """compute_metrics: scikit-learn's metrics over every dev sample once.
+
+    `prediction.predictions` holds every process's logits, dataset indices and weights, gathered by
+    the Trainer batch by batch. Its gather_for_metrics drops the repeats only of loaders Accelerate
+    prepared; ours are the suite's, so the repeats of weight 0 that even out the processes' last
+    batches are dropped here, as common.Trainer.evaluate does."""
+    logits, indices, weights = prediction.predictions
+    losses = F.cross_entropy(torch.from_numpy(logits).float(), torch.from_numpy(prediction.label_ids),
+                             reduction="none").numpy()
+    indices, logits, labels, losses = common.each_sample_once(indices, weights, logits, prediction.label_ids, losses)
+    if not np.array_equal(indices, np.arange(dev_size)):
+        raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {dev_size} dev samples in "
+                           f"{len(indices)} predictions")
+    predictions = logits.argmax(axis=-1)
+    labels_range = range(len(common.LABELS))
+    return {"samples": len(indices), "dev_loss": float(losses.mean()),
+            "accuracy": float(accuracy_score(labels, predictions)),
+            "macro_f1": float(f1_score(labels, predictions, average="macro", labels=labels_range, zero_division=0)),
+            "report": classification_report(labels, predictions, labels=labels_range, target_names=common.LABELS,
+                                            digits=4, zero_division=0)}
+
+
+class SuiteEpochs(TrainerCallback):
+    """The Trainer calls set_epoch(epoch), counting from 0, on a loader that has the method; the
+    suite's loader has none, and its sampler counts from 1 (each epoch shuffles with seed + epoch,
+    as in every other script): it is told here, as each epoch begins."""
+
+    def __init__(self, sampler):
+        self.sampler, self.epoch = sampler, 0
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.epoch += 1
+        self.sampler.set_epoch(self.epoch)
+
+
+class SuiteLines(ProgressCallback):
+    """The Trainer's progress bar, printing the suite's training lines instead of its log dictionaries."""
+
+    def __init__(self, args, train_loader):
+        super().__init__()
+        self.epochs, self.eval_steps = args.epochs, args.eval_steps
+        self.steps_per_epoch = len(train_loader.batch_sampler.micro_batches_per_step())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        if state.global_step == state.max_steps:
+            control.should_log = True  # the loss since the last line, as every script prints at the end
+        elif self.eval_steps and state.global_step % self.eval_steps == 0:
+            control.should_evaluate = True  # --eval-steps; the final evaluation follows training
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None and "loss" in logs:
+            epoch = (state.global_step - 1) // self.steps_per_epoch + 1
+            self.training_bar.write(f"【train】 epoch：{epoch}/{self.epochs} step：{state.global_step}/{state.max_steps} "
+                                    f"loss：{logs['loss']:.6f}")
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None:
+            self.training_bar.write(f"【dev】 step：{state.global_step} loss：{metrics['eval_dev_loss']:.6f} "
+                                    f"accuracy：{metrics['eval_accuracy']:.4f}")
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        pass  # no evaluation bar, as in the other scripts
+
+
+class Measurements(TrainerCallback):
+    """What common.Trainer measures in its own loop, taken from the Trainer's callbacks: the training
+    loop's seconds (evaluations excluded), samples and tokens, peak memory, the model state before
+    the second optimizer step, DDP's all-reduces (SUITE_COUNT_ALLREDUCES), and the failure the
+    tests inject (SUITE_FAIL_AT="rank:step")."""
+
+    def __init__(self, trainer, strategy, train_loader):
+        self.trainer, self.strategy = trainer, strategy
+        self.global_batch_sizes = train_loader.batch_sampler.global_batch_sizes()
+        self.fail_rank, self.fail_step = measure.parse_fail_at(os.environ.get(measure.FAIL_AT_ENV))
+        self.tokens = torch.zeros(2, dtype=torch.float64)
+        self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
+        self.model_state = self.allreduces = None
+        self.start = None
+
+    def count_tokens(self, batch):
+        self.tokens += common.count_tokens(batch)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # After the Trainer has wrapped the model and built the optimizer: what follows is the loop.
+        if self.trainer.is_deepspeed_enabled:
+            self.strategy.engine = self.trainer.model_wrapped
+        self.model_state = measure.ModelStateCount(self.strategy, self.trainer.model_wrapped,
+                                                   self.trainer.torch_optimizer)
+        if self.trainer.is_deepspeed_enabled:
+            # Accelerate steps the DeepSpeed engine inside backward (DeepSpeedEngineWrapper), before
+            # on_pre_optimizer_step, and the engine frees the gradient partitions as it steps.
+            engine = self.strategy.engine
+            engine_step = engine.step
+
+            def count_then_step(*step_args, **step_kwargs):
+                if self.trainer.state.global_step == 1:
+                    self.model_state.count()
+                return engine_step(*step_args, **step_kwargs)
+            engine.step = count_then_step
+        self.allreduces = measure.gradient_allreduce_count(self.trainer.model_wrapped)
+        common.reset_peak_memory(self.strategy.device)
+        common.synchronize(self.strategy.device)
+        self.start = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == 1 and not self.trainer.is_deepspeed_enabled:
+            self.model_state.count()  # before the second step: weights, gradients and Adam moments all exist
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
+        if state.global_step == self.fail_step and self.strategy.rank == self.fail_rank:
+            raise RuntimeError(f"failure injected by {measure.FAIL_AT_ENV} at step {state.global_step}")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in logs:
+            self.last_loss = logs["loss"]
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.seconds is None and "eval_runtime" in kwargs.get("metrics", {}):
+            self.paused += kwargs["metrics"]["eval_runtime"]  # --eval-steps: not training time
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if state.global_step == state.max_steps:
+            common.synchronize(self.strategy.device)
+            self.seconds = time.perf_counter() - self.start - self.paused
+
+    def progress(self):
+        """What common.Trainer.train returns, for common.Trainer.write_result."""
+        tokens = self.strategy.reduce_mean(self.tokens.to(self.strategy.device)).cpu() * self.strategy.world_size
+        return {"seconds": self.seconds, "steps": self.trainer.state.global_step, "samples": self.samples,
+                "last_loss": self.last_loss, "real_tokens": tokens[0].item(), "computed_tokens": tokens[1].item()}
