@@ -58,7 +58,10 @@ ROOT = common.ROOT
 # The launchers come from the same environment as this Python, so every strategy runs the same libraries.
 BIN = Path(sys.executable).parent
 VERSIONED = ["torch", "transformers", "accelerate", "deepspeed", "horovod", "lightning_fabric"]
-SCRIPT_BATCH_SIZE = common.build_parser(__file__, "").get_default("batch_size")
+SCRIPT_DEFAULTS = common.build_parser(__file__, "")
+SCRIPT_BATCH_SIZE = SCRIPT_DEFAULTS.get_default("batch_size")
+SCRIPT_MAX_SAMPLES = SCRIPT_DEFAULTS.get_default("max_samples")
+SCRIPT_DEV_RATIO = SCRIPT_DEFAULTS.get_default("dev_ratio")
 
 
 # ----------------------------------------------------------------------------- the strategies
@@ -524,7 +527,8 @@ def estimate_seconds(cells, step_seconds, args):
     N / cores times the one-thread step. The dev batches are split over the processes, each a forward
     pass, about a third of a step."""
     cores = common.usable_cores()
-    dev_batches = round((args.max_samples or 10000) * 0.08) / (args.batch_size or SCRIPT_BATCH_SIZE)
+    batch_size = args.batch_size or SCRIPT_BATCH_SIZE
+    dev_batches = round((args.max_samples or SCRIPT_MAX_SAMPLES) * SCRIPT_DEV_RATIO) / batch_size
     evaluation = step_seconds * dev_batches / 3 / cores
     return sum(LAUNCH_SECONDS + step_seconds * processes(cell) / cores * args.max_steps + evaluation
                for cell in cells) * args.repeat
@@ -540,6 +544,41 @@ def announce_real_size(args, cells):
     minutes = estimate_seconds(cells, step_seconds, args) / 60
     print(f"real size: a base-shape step took {step_seconds:.1f} s here (one thread, batch "
           f"{args.batch_size}): {len(cells) * args.repeat} launches, about {minutes:.0f} minutes in all", flush=True)
+
+
+# The committed tiny-model run on 2 cores: how long each row's launch took, for a plan's estimate.
+REFERENCE_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json"
+
+
+def expected_duration(args, cells, model, gpus):
+    """One line, before the first launch: the plan's launches and how long they should take here.
+    The tiny model: as long as the committed run's rows took on 2 cores, for its data and epochs. A
+    real-size model on a CPU: its steps, timed here on one BERT-base step (hours, usually)."""
+    launches = len(cells) * args.repeat
+    if gpus:
+        return f"plan: {launches} launch(es) on {gpus} GPU(s); no estimate for GPUs yet"
+    if model == "tiny":
+        reference = json.loads(REFERENCE_RUN.read_text(encoding="utf-8"))
+        walls = {row["row"]: row["wall_seconds"] for row in reference["rows"] if row["status"] == "ok"}
+        typical = statistics.median(walls.values())
+        minutes = sum(walls.get(cell["variant"], typical) for cell in cells) * args.repeat / 60
+        other = "" if args.max_samples is None and args.epochs is None else "; more or less with other data or epochs"
+        return (f"plan: {launches} launch(es), about {minutes:.0f} minutes on 2 cores as in "
+                f"{relative(REFERENCE_RUN.parent)} (the default data, 1 epoch{other})")
+    if args.real_size:
+        return None  # announce_real_size times a step and says it
+    step_seconds = time_one_step(args)
+    if args.max_steps:
+        seconds = estimate_seconds(cells, step_seconds, args)
+    else:
+        # The processes of a launch share its batches and the machine's cores: whatever their number,
+        # a launch costs the epoch's batches at one step each, over the cores.
+        batches = (args.max_samples or SCRIPT_MAX_SAMPLES) * (1 - SCRIPT_DEV_RATIO) * (args.epochs or 1) / (
+            args.batch_size or SCRIPT_BATCH_SIZE)
+        seconds = (LAUNCH_SECONDS + step_seconds * batches / common.usable_cores()) * launches
+    hours = seconds / 3600
+    return (f"plan: {launches} launch(es) of a BERT-base-sized model on the CPU, about {hours:.1f} hours (a step "
+            f"took {step_seconds:.1f} s here); --model tiny compares the strategies in minutes")
 
 
 # ----------------------------------------------------------------------------- running
@@ -868,6 +907,9 @@ def main():
     }
     for line in benchmark_report.header_lines(report)[:4]:
         print(line, flush=True)
+    duration = expected_duration(args, cells, model, gpus)
+    if duration:
+        print(duration, flush=True)
 
     def after_each():  # what finished so far survives an interruption
         report["rows"] = [summarize(cell) for cell in cells]

@@ -37,6 +37,9 @@ if ! compgen -G "$cache/deepspeed-$version-$python_tag-*.whl" >/dev/null \
     echo "Built DeepSpeed's CPU ops in $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
 fi
 "$python" -m pip install --quiet --no-deps --force-reinstall "$cache"/deepspeed-"$version"-*.whl
-"$python" -c 'from deepspeed.git_version_info import installed_ops; import sys
-sys.exit(not (installed_ops["cpu_adam"] and installed_ops["deepspeed_shm_comm"]))' \
+# Read from the file the wheel wrote, without importing deepspeed (which would probe for an accelerator).
+"$python" -c 'import importlib.util, sys; found = {}
+package = importlib.util.find_spec("deepspeed").submodule_search_locations[0]
+exec(open(package + "/git_version_info_installed.py").read(), found)
+sys.exit(not (found["installed_ops"]["cpu_adam"] and found["installed_ops"]["deepspeed_shm_comm"]))' \
     || fail "the DeepSpeed wheel in $cache lacks its CPU ops: remove the folder and set up again"

@@ -274,6 +274,31 @@ def test_without_a_gpu_the_runner_trains_the_tiny_model_unless_told_otherwise(mo
     assert benchmark.resolve_model("auto", gpus=0) == ("hub-model", None)
 
 
+def test_the_plan_says_how_long_it_should_take(monkeypatch):
+    """Before the first launch: the tiny model from the committed run's rows on 2 cores, a real-size
+    model on a CPU from one timed step (hours), GPUs without an estimate."""
+    reference = json.loads(benchmark.REFERENCE_RUN.read_text(encoding="utf-8"))
+    minutes = sum(row["wall_seconds"] for row in reference["rows"]) / 60
+    args = benchmark.parse_args([], gpus=0)
+    cells = benchmark.plan(args, gpus=0)
+    assert len(cells) == len(reference["rows"]) == 11
+    assert benchmark.expected_duration(args, cells, "tiny", gpus=0).startswith(
+        f"plan: 11 launch(es), about {minutes:.0f} minutes on 2 cores as in docs/results/amd-epyc-2-cores")
+    twice = benchmark.parse_args(["--repeat", "2", "--only", "single,deepspeed"], gpus=0)
+    walls = {row["row"]: row["wall_seconds"] for row in reference["rows"]}
+    assert f"about {(walls['single'] + walls['deepspeed']) * 2 / 60:.0f} minutes" in benchmark.expected_duration(
+        twice, benchmark.plan(twice, gpus=0), "tiny", gpus=0)
+    monkeypatch.setattr(benchmark, "time_one_step", lambda args: 3.0)
+    real = benchmark.expected_duration(args, cells, "model_hub/chinese-bert-wwm-ext", gpus=0)
+    hours = float(re.search(r"about ([\d.]+) hours", real).group(1))
+    # 11 launches, each an epoch of 9,200 samples in batches of 32 at 3 s a batch over the cores.
+    assert hours == pytest.approx(11 * (benchmark.LAUNCH_SECONDS + 3.0 * 9200 / 32 / common.usable_cores()) / 3600,
+                                  abs=0.05)
+    assert "--model tiny" in real
+    assert benchmark.expected_duration(args, cells, "auto", gpus=2) == (
+        "plan: 11 launch(es) on 2 GPU(s); no estimate for GPUs yet")
+
+
 def test_the_chart_draws_only_the_panels_the_run_has_figures_for():
     """A default run has no sweep and no profile: its chart must not show their panels empty."""
     row = {"status": "ok", "speedup": 1.0, "model_state_bytes": {"total": 1}}
