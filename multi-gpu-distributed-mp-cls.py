@@ -22,7 +22,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+import cli
 import common
+import machine
+import models
 
 # Seconds the processes get to stop on their own (after a failure or a SIGTERM) before they are killed.
 SHUTDOWN_GRACE_SECONDS = 10
@@ -44,15 +47,15 @@ class DDP(common.TorchDistributed):
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser, backend=True)
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser, backend=True)
     # 1. The options torchrun took, now the script's own.
     parser.add_argument("--nprocs", type=int, help="processes on this machine; None = one per GPU, or 2 on CPU")
     parser.add_argument("--nnodes", type=int, default=1, help="machines taking part")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index: 0 .. nnodes - 1")
     parser.add_argument("--master-addr", help="address of the --node-rank 0 machine; None = 127.0.0.1")
     parser.add_argument("--master-port", type=int, help="rendezvous port; None = a free one")
-    args = common.check_args(parser.parse_args())
+    args = cli.check_args(parser.parse_args())
     check_launch(args)
 
     # 2. Start the processes and wait for them. spawn (not fork) gives each a fresh interpreter, as
@@ -80,21 +83,21 @@ def check_launch(args):
     if args.nprocs is None:
         args.nprocs = gpus or 2
     if args.nprocs < 1 or args.nnodes < 1:
-        raise common.UserError("--nprocs and --nnodes must be at least 1")
+        raise cli.UserError("--nprocs and --nnodes must be at least 1")
     if gpus and args.nprocs > gpus and args.backend != "gloo":
-        raise common.UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
-                               "--backend gloo lets them share the GPUs")
+        raise cli.UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
+                            "--backend gloo lets them share the GPUs")
     if not 0 <= args.node_rank < args.nnodes:
-        raise common.UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
+        raise cli.UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
     if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
-        raise common.UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
-                               "of the --node-rank 0 machine) and --master-port")
+        raise cli.UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
+                            "of the --node-rank 0 machine) and --master-port")
     args.master_addr = args.master_addr or "127.0.0.1"
     if args.master_port is None:
         args.master_port = free_port()
     elif args.node_rank == 0 and not port_is_free(args.master_port):
-        raise common.UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
-                               "or leave it out to get a free one")
+        raise cli.UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
+                            "or leave it out to get a free one")
 
 
 def free_port():
@@ -133,18 +136,18 @@ def worker(local_rank, args, first_failure):
     rank = args.node_rank * args.nprocs + local_rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nnodes * args.nprocs),
                       MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
-    common.run(lambda: train(args, rank, local_rank, first_failure))
+    cli.run(lambda: train(args, rank, local_rank, first_failure))
 
 
 def train(args, rank, local_rank, first_failure):
     common.set_seed(args.seed)
     world_size = args.nnodes * args.nprocs
-    device = common.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
+    device = machine.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
 
     # 4. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(common.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
+    dist.init_process_group(machine.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DDP(device, rank, world_size, local_world_size=args.nprocs)
 
@@ -159,7 +162,7 @@ def train(args, rank, local_rank, first_failure):
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
         dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
-        optimizer = common.make_optimizer(model, lr, args.weight_decay)
+        optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
@@ -176,4 +179,4 @@ def train(args, rank, local_rank, first_failure):
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -52,8 +52,14 @@ from accelerate import PartialState
 from sklearn.metrics import accuracy_score, classification_report, f1_score
 from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 
+import checkpoints
+import cli
 import common
+import files
+import machine
 import measure
+import models
+import results
 
 SCRIPT = Path(__file__).name
 
@@ -88,7 +94,7 @@ class SuiteTrainer(Trainer):
         # Trainer(optimizers=...): FSDP refuses a ready optimizer, and DeepSpeed discards it and
         # calls this method (integrations/deepspeed.py, deepspeed_optim_sched).
         if self.optimizer is None:
-            self.optimizer = self.torch_optimizer = common.make_optimizer(model or self.model, self.lr,
+            self.optimizer = self.torch_optimizer = models.make_optimizer(model or self.model, self.lr,
                                                                           self.weight_decay)
         return self.optimizer
 
@@ -178,9 +184,9 @@ class TransformersTrainer(common.TorchDistributed):
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser)
-    common.add_precision_arg(parser)
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser)
+    cli.add_precision_arg(parser)
     parser.add_argument("--deepspeed", metavar="JSON",
                         help="train with DeepSpeed through TrainingArguments(deepspeed=...), e.g. "
                              "configs/deepspeed/zero2.json (batch sizes, clipping and precision come from the "
@@ -189,15 +195,15 @@ def main():
                         help="train with FSDP2 through TrainingArguments(fsdp=True) (GPUs only)")
     # The legacy torch.distributed.launch and the deepspeed launcher pass --local_rank; LOCAL_RANK is read.
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
-    args = common.check_args(parser.parse_args())
+    args = cli.check_args(parser.parse_args())
     refuse_what_the_trainer_cannot_do(args)
 
     # 1. One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads
     #    the same RANK / WORLD_SIZE / LOCAL_RANK variables the DDP script reads.
-    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or common.started_by_srun()
+    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or cli.started_by_srun()
     rank, world_size, local_rank, local_world_size = (
-        common.launch_environment(f"torchrun --nproc_per_node N {SCRIPT}") if launched else (0, 1, 0, 1))
-    device = common.resolve_device(args.device, local_rank)
+        cli.launch_environment(f"torchrun --nproc_per_node N {SCRIPT}") if launched else (0, 1, 0, 1))
+    device = machine.resolve_device(args.device, local_rank)
     deepspeed_config = read_deepspeed_config(args.deepspeed) if args.deepspeed else None
     refuse_what_this_machine_cannot_do(args, device, launched, deepspeed_config)
     # Accelerate imports DeepSpeed when it is installed (unwrap_model), and DeepSpeed picks its accelerator once, on
@@ -243,8 +249,8 @@ def main():
             accelerator_config={"use_configured_state": True} if own_group else None,  # the group joined above
         )
         if training_args.world_size != world_size:
-            raise common.UserError(f"the launcher started {world_size} process(es) but the Trainer sees "
-                                   f"{training_args.world_size}")
+            raise cli.UserError(f"the launcher started {world_size} process(es) but the Trainer sees "
+                                f"{training_args.world_size}")
         launcher = "torchrun" if launched else "python"
         if args.local_rank is not None:
             launcher = "deepspeed" if deepspeed_config is not None else "torch.distributed.launch"
@@ -267,7 +273,7 @@ def main():
         # The suite's own Trainer, used only for what every script reports the same way: the thread
         # policy, result.json and the printed lines.
         suite = common.Trainer(args, strategy, model, None, tokenizer, train_loader, dev_loader, model_name, lr)
-        suite.log_start()
+        results.announce(suite)
         training_args.max_steps = suite.total_steps() if args.max_steps else -1  # --max-steps (-1: the epochs decide)
 
         # 5. The Trainer does what the DDP script writes by hand or takes from common.Trainer: moves
@@ -292,12 +298,12 @@ def main():
         metrics["loss"] = metrics["dev_loss"]  # its own eval_loss averages batch means, repeats included
 
         # 7. The whole weights (gathered by every process from DeepSpeed ZeRO-3 or FSDP shards), written
-        #    by rank 0 with common.save_model: safetensors, config and tokenizer, swapped in whole.
+        #    by rank 0 with checkpoints.save_model: safetensors, config and tokenizer, swapped in whole.
         #    Trainer.save_model would write in place, and add training_args.bin (a pickle).
         state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
         if strategy.is_main:
-            common.save_model(trainer.accelerator.unwrap_model(trainer.model), tokenizer, suite.output_dir / "model",
-                              state_dict=state_dict)
+            checkpoints.save_model(trainer.accelerator.unwrap_model(trainer.model), tokenizer,
+                                   suite.output_dir / "model", state_dict=state_dict)
         write_result(suite, trainer.measurements, progress, metrics)
     finally:
         # 8. Leave the process group on every exit path, failures included (what trainer.end() does).
@@ -307,42 +313,42 @@ def main():
 
 def refuse_what_the_trainer_cannot_do(args):
     if args.resume or args.save_steps:
-        raise common.UserError(f"--resume and --save-steps are not available in {SCRIPT}: the Trainer's own "
-                               "checkpoints lack the suite's meaning checks and sampler position (see its docstring)")
+        raise cli.UserError(f"--resume and --save-steps are not available in {SCRIPT}: the Trainer's own "
+                            "checkpoints lack the suite's meaning checks and sampler position (see its docstring)")
     if args.profile:
-        raise common.UserError(f"--profile is not available in {SCRIPT}: its phases wrap common.Trainer's loop, "
-                               "which transformers.Trainer replaces here")
+        raise cli.UserError(f"--profile is not available in {SCRIPT}: its phases wrap common.Trainer's loop, "
+                            "which transformers.Trainer replaces here")
     if args.deepspeed and args.fsdp:
-        raise common.UserError("--deepspeed and --fsdp exclude each other: pick one")
+        raise cli.UserError("--deepspeed and --fsdp exclude each other: pick one")
 
 
 def refuse_what_this_machine_cannot_do(args, device, launched, deepspeed_config):
-    common.check_precision(args.precision, device)
+    machine.check_precision(args.precision, device)
     if device.type == "cuda" and not launched and torch.cuda.device_count() > 1:
-        raise common.UserError(f"python {SCRIPT} on a machine with {torch.cuda.device_count()} GPUs: the Trainer "
-                               "would run DataParallel over all of them; use torchrun --nproc_per_node N, or "
-                               "CUDA_VISIBLE_DEVICES=0 for one GPU")
+        raise cli.UserError(f"python {SCRIPT} on a machine with {torch.cuda.device_count()} GPUs: the Trainer "
+                            "would run DataParallel over all of them; use torchrun --nproc_per_node N, or "
+                            "CUDA_VISIBLE_DEVICES=0 for one GPU")
     if args.fsdp and device.type == "cpu":
-        raise common.UserError("--fsdp needs GPUs: with CPU processes Accelerate drops the Trainer's FSDP plugin and "
-                               "trains plain DDP instead; multi-gpu-fsdp-cls.py runs FSDP2 on CPUs")
+        raise cli.UserError("--fsdp needs GPUs: with CPU processes Accelerate drops the Trainer's FSDP plugin and "
+                            "trains plain DDP instead; multi-gpu-fsdp-cls.py runs FSDP2 on CPUs")
     if deepspeed_config is not None and not launched:
-        raise common.UserError(f"--deepspeed runs under a launcher: deepspeed --num_gpus N {SCRIPT} or torchrun")
+        raise cli.UserError(f"--deepspeed runs under a launcher: deepspeed --num_gpus N {SCRIPT} or torchrun")
     if deepspeed_config is not None and device.type == "cpu" and torch.cuda.is_available():
-        raise common.UserError("--deepspeed with --device cpu on a GPU machine: Accelerate would still put each "
-                               "process on a GPU; hide the GPUs instead: CUDA_VISIBLE_DEVICES=")
+        raise cli.UserError("--deepspeed with --device cpu on a GPU machine: Accelerate would still put each "
+                            "process on a GPU; hide the GPUs instead: CUDA_VISIBLE_DEVICES=")
 
 
 def read_deepspeed_config(path):
     """The DeepSpeed config file with what the suite decides left to the Trainer: "auto" makes
     TrainingArguments fill batch sizes, clipping and precision from the command line."""
-    config = common.read_json_object(path, "DeepSpeed config")
+    config = files.read_json_object(path, "DeepSpeed config")
     if "optimizer" in config or "scheduler" in config:
-        raise common.UserError(f"{path}: remove its optimizer/scheduler section: the suite builds AdamW from --lr "
-                               "and --weight-decay, with a constant learning rate")
+        raise cli.UserError(f"{path}: remove its optimizer/scheduler section: the suite builds AdamW from --lr "
+                            "and --weight-decay, with a constant learning rate")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                 "gradient_clipping"):
         if config.get(key, "auto") != "auto":
-            raise common.UserError(f"{path} sets {key}: leave it out (the command line sets it)")
+            raise cli.UserError(f"{path} sets {key}: leave it out (the command line sets it)")
         config[key] = "auto"
     for precision in ("fp16", "bf16"):
         config[precision] = {**config.get(precision, {}), "enabled": "auto"}
@@ -369,10 +375,9 @@ def join_group_on_cpu(args, deepspeed):
 
 
 def write_result(suite, measurements, progress, metrics):
-    """result.json and the printed report, by the suite's own code (common.Trainer.result and .report)."""
+    """result.json and the printed report, by the suite's own code (results.py)."""
     strategy = suite.strategy
-    result = suite.result(progress, metrics)
-    result["resumed_from_step"] = 0
+    result = {**results.fields(suite, progress, metrics), "resumed_from_step": 0}
     if measurements.model_state:
         result.update(measurements.model_state.result_fields(strategy.device, result["peak_memory_mb"]))
     else:
@@ -380,9 +385,7 @@ def write_result(suite, measurements, progress, metrics):
     result["model_state_formula_bytes"] = measure.zero_formula(strategy, measurements.trainer.model_wrapped)
     if measurements.allreduces:
         result["gradient_allreduces"] = measurements.allreduces.calls
-    if strategy.is_main:
-        suite.report(result, metrics)
-        common.write_json(suite.output_dir / "result.json", result)
+    results.publish(suite, result, metrics)
 
 
 # ----------------------------------------------------------------------------- beside the lesson
@@ -454,8 +457,8 @@ class Measurements(TrainerCallback):
                 return engine_step(*step_args, **step_kwargs)
             engine.step = count_then_step
         self.allreduces = measure.gradient_allreduce_count(self.trainer.model_wrapped)
-        common.reset_peak_memory(self.strategy.device)
-        common.synchronize(self.strategy.device)
+        machine.reset_peak_memory(self.strategy.device)
+        machine.synchronize(self.strategy.device)
         self.start = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -477,7 +480,7 @@ class Measurements(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if state.global_step == state.max_steps:
-            common.synchronize(self.strategy.device)
+            machine.synchronize(self.strategy.device)
             self.seconds = time.perf_counter() - self.start - self.paused
 
     def progress(self):
@@ -488,4 +491,4 @@ class Measurements(TrainerCallback):
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

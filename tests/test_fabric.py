@@ -99,7 +99,7 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
     # The same check reads what fabric run passes in LT_* variables: fp16 on CPU is refused, where
     # Fabric itself would train in bf16 after a warning.
     script = load_script()
-    parser = script.common.build_parser(script.__file__, "")
+    parser = script.cli.build_parser(script.__file__, "")
     script.add_fabric_args(parser)
     refusals = [([], {"LT_PRECISION": "16-mixed"}, "--precision fp16 needs a GPU"),
                 (["--precision", "fp16"], {}, "--precision fp16 needs a GPU"),
@@ -111,7 +111,7 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
         with monkeypatch.context() as patch:
             for name, value in env.items():
                 patch.setenv(name, value)
-            with pytest.raises(script.common.UserError, match="^" + message.replace("+", r"\+")):
+            with pytest.raises(script.cli.UserError, match="^" + message.replace("+", r"\+")):
                 script.resolve_launch(parser.parse_args(["--device", "cpu", *options]))
     with monkeypatch.context() as patch:  # agreeing ones are taken
         patch.setenv("LT_PRECISION", "bf16-mixed")
@@ -123,12 +123,14 @@ def test_fabric_leaves_the_epoch_of_the_suites_sampler_to_the_trainer():
     """Fabric's loader wrapper calls set_epoch(times iterated) on the samplers it finds (loader.sampler,
     loader.batch_sampler.sampler); the suite's GlobalBatchSampler is the batch sampler itself, so the
     Trainer's set_epoch(epoch) stands, and every process and a resumed run shuffle as DDP does."""
+    import cli
     import common
+    import models
     from lightning_fabric import Fabric
     train, _ = small_split()
-    tokenizer, _ = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
+    tokenizer, _ = models.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
     dataset = common.EncodedDataset(train, tokenizer, 128)
-    args = common.build_parser(SCRIPT, "").parse_args(["--batch-size", "16"])
+    args = cli.build_parser(SCRIPT, "").parse_args(["--batch-size", "16"])
     loader = Fabric(accelerator="cpu", devices=1).setup_dataloaders(
         common.make_loader(dataset, args, tokenizer, common.train_sampler(dataset, args, 2, 1)),
         use_distributed_sampler=False)

@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-import common
 import measure
+import models
 from conftest import BIN, PYTHON, ROOT, SMALL, assert_same_weights, free_port, read_result, require, run
 
 # Dropout on (the model's 0.1): the random states must come back too. 11 steps per epoch, 22 in all;
@@ -100,7 +100,7 @@ def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_pat
     assert errors == [f"error: --resume: the checkpoint in {tmp_path / 'checkpoint'} was written with world_size 2 "
                       "(now 3), global_batch_size 32 (now 48): its step means other samples here. Resume with its "
                       "settings, or remove it"], process.stderr
-    if not common.LOCAL_MODEL_DIR.is_dir():
+    if not models.LOCAL_MODEL_DIR.is_dir():
         assert process.stderr.count("using the TINY randomly") == 1
 
 
