@@ -5,7 +5,7 @@ gradients, steps the optimizer, averages a loss and gathers predictions across p
 model its own way, and hands both to `Trainer`. Nothing in this file knows which strategy is running.
 Read it top to bottom: the data every process loads alike, the loop, then the Strategy it calls.
 The rest lives in modules named for their duty (docs/architecture.md): cli (options, launch),
-machine (device, cores), models, checkpoints, results, measure (what is measured beside the loop).
+machine (device, cores), models, checkpoints, results, measure (the callbacks beside the loop).
 """
 import contextlib
 import itertools
@@ -265,28 +265,26 @@ class Trainer:
 
     def fit(self):
         """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
-        strategy = self.strategy
         results.announce(self)
         first_step = checkpoints.resume(self)
-        model_state = measure.ModelStateCount(self.strategy, self.model, self.optimizer)
-        allreduces = measure.gradient_allreduce_count(self.model)
-        measure.inject_failure(self.strategy, first_step)  # the tests' SUITE_FAIL_AT
-        profile = None
+        # Measurements beside the loop, called at its named points: the model state always, the
+        # tests' own hooks when a test asks for them, the step profile with --profile.
+        self.callbacks = [measure.ModelStateCount(self.strategy, self.model, self.optimizer),
+                          *measure.test_callbacks(self, first_step)]
         if self.args.profile:
-            profile = measure.StepProfile(self, self.args.profile, self.total_steps() - first_step)
-        with profile or contextlib.nullcontext():
-            progress = self.train(first_step)
+            self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
+        progress = self.train(first_step)
         metrics = self.evaluate()
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
         result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
-        result.update(model_state.result_fields(strategy.device, result["peak_memory_mb"]))
-        result["model_state_formula_bytes"] = measure.zero_formula(strategy, self.model)
-        if allreduces:
-            result["gradient_allreduces"] = allreduces.calls
-        if profile and strategy.is_main:
-            result["profile"] = profile.summary()
+        self.notify("on_result", result)
         results.publish(self, result, metrics)
         return result
+
+    def notify(self, point, *args):
+        """Call each callback's method for this point of the loop (measure.Callback names them)."""
+        for callback in self.callbacks:
+            getattr(callback, point)(self, *args)
 
     def epoch_steps(self):
         """Optimizer steps in --epochs epochs."""
@@ -310,6 +308,7 @@ class Trainer:
         tokens = torch.zeros(2, dtype=torch.float64)  # real and computed (padding included), this process
         loss_sum = torch.zeros((), device=strategy.device)
         losses_summed, last_loss = 0, float("nan")
+        self.notify("on_train_begin")
         reset_peak_memory(strategy.device)
         synchronize(strategy.device)
         start = time.perf_counter()
@@ -324,15 +323,22 @@ class Trainer:
                 # One optimizer step: the gradients of its micro-batches add up (--grad-accum), each
                 # sample weighed by 1 / (samples in the step), then one update.
                 micro_batches = micro_batches_per_step[step_in_epoch]
-                for micro_batch, batch in enumerate(itertools.islice(batches, micro_batches)):
+                for micro_batch in range(micro_batches):
+                    self.notify("on_micro_batch_begin")
+                    batch = next(batches)
                     tokens += count_tokens(batch)
                     batch = self.to_device(batch)
+                    self.notify("on_forward_begin")
                     with strategy.accumulating(self.model, last=micro_batch == micro_batches - 1):
                         _, loss = self.forward(batch)
+                        self.notify("on_backward_begin")
                         strategy.backward(loss)
+                        self.notify("on_backward_end")
                     loss_sum += loss.detach()
+                self.notify("on_optimizer_step_begin")
                 strategy.step(self.model, self.optimizer)
                 step += 1
+                self.notify("on_step_end", step)
                 samples += global_batch_sizes[step_in_epoch]
                 losses_summed += 1
                 progress.update()
@@ -358,6 +364,7 @@ class Trainer:
         synchronize(strategy.device)
         seconds = time.perf_counter() - start - paused_seconds
         progress.close()
+        self.notify("on_train_end")
         # The whole job's tokens: the sum over processes.
         tokens = strategy.reduce_mean(tokens.to(strategy.device)).cpu() * strategy.world_size
         return {"seconds": seconds, "steps": step, "samples": samples, "last_loss": last_loss,

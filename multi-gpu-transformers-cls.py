@@ -430,7 +430,7 @@ class Measurements(TrainerCallback):
     def __init__(self, trainer, strategy, train_loader):
         self.trainer, self.strategy = trainer, strategy
         self.global_batch_sizes = train_loader.batch_sampler.global_batch_sizes()
-        self.fail_rank, self.fail_step = measure.parse_fail_at(os.environ.get(measure.FAIL_AT_ENV))
+        self.test_hooks = measure.test_hooks()  # SUITE_FAIL_AT, SUITE_COUNT_ALLREDUCES: tests/hooks.py
         self.tokens = torch.zeros(2, dtype=torch.float64)
         self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
         self.model_state = self.allreduces = None
@@ -456,7 +456,7 @@ class Measurements(TrainerCallback):
                     self.model_state.count()
                 return engine_step(*step_args, **step_kwargs)
             engine.step = count_then_step
-        self.allreduces = measure.gradient_allreduce_count(self.trainer.model_wrapped)
+        self.allreduces = self.test_hooks and self.test_hooks.gradient_allreduce_count(self.trainer.model_wrapped)
         machine.reset_peak_memory(self.strategy.device)
         machine.synchronize(self.strategy.device)
         self.start = time.perf_counter()
@@ -467,8 +467,8 @@ class Measurements(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
-        if state.global_step == self.fail_step and self.strategy.rank == self.fail_rank:
-            raise RuntimeError(f"failure injected by {measure.FAIL_AT_ENV} at step {state.global_step}")
+        if self.test_hooks:
+            self.test_hooks.fail_if_asked(self.strategy.rank, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in logs:
