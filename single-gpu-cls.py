@@ -4,7 +4,7 @@
     python single-gpu-cls.py --model tiny    # the offline tiny BERT, a minute on a laptop CPU
 
 Every other script in this suite is this one plus its strategy's steps: compare them with
-`diff single-gpu-cls.py multi-gpu-distributed-cls.py`. Shared code: common.py and its neighbours.
+`diff single-gpu-cls.py multi-gpu-distributed-cls.py`. Shared code: common.py, and the modules of docs/architecture.md.
 """
 import cli
 import common
