@@ -270,7 +270,7 @@ class Trainer:
         # Measurements beside the loop, called at its named points: the model state always, the
         # tests' own hooks when a test asks for them, the step profile with --profile.
         self.callbacks = [measure.ModelStateCount(self.strategy, self.model, self.optimizer),
-                          *measure.test_callbacks(self, first_step)]
+                          *measure.callbacks_for_tests(self)]
         if self.args.profile:
             self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
         progress = self.train(first_step)

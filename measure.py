@@ -168,7 +168,7 @@ COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"  # count DDP's gradient all-redu
 TEST_HOOKS = Path(__file__).resolve().parent / "tests" / "hooks.py"
 
 
-def test_hooks():
+def load_test_hooks():
     """The module tests/hooks.py when a test's environment asks for one of its hooks, else None."""
     if not (os.environ.get(FAIL_AT_ENV) or os.environ.get(COUNT_ALLREDUCES_ENV)):
         return None
@@ -178,10 +178,10 @@ def test_hooks():
     return hooks
 
 
-def test_callbacks(trainer, first_step):
+def callbacks_for_tests(trainer):
     """The callbacks of the tests' hooks that this run's environment asks for (none in a user's run)."""
-    hooks = test_hooks()
-    return hooks.callbacks(trainer, first_step) if hooks else []
+    hooks = load_test_hooks()
+    return hooks.callbacks(trainer) if hooks else []
 
 
 PHASES = ("data loading", "forward", "backward", "optimizer step")

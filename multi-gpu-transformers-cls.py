@@ -430,7 +430,7 @@ class Measurements(TrainerCallback):
     def __init__(self, trainer, strategy, train_loader):
         self.trainer, self.strategy = trainer, strategy
         self.global_batch_sizes = train_loader.batch_sampler.global_batch_sizes()
-        self.test_hooks = measure.test_hooks()  # SUITE_FAIL_AT, SUITE_COUNT_ALLREDUCES: tests/hooks.py
+        self.test_hooks = measure.load_test_hooks()  # SUITE_FAIL_AT, SUITE_COUNT_ALLREDUCES: tests/hooks.py
         self.tokens = torch.zeros(2, dtype=torch.float64)
         self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
         self.model_state = self.allreduces = None

@@ -7,7 +7,7 @@ import os
 import measure
 
 
-def callbacks(trainer, first_step):
+def callbacks(trainer):
     """The hooks this process's environment asks for, as callbacks of `trainer`."""
     allreduces = gradient_allreduce_count(trainer.model)
     return [InjectedFailure()] + ([allreduces] if allreduces else [])

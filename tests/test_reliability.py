@@ -97,9 +97,9 @@ def test_the_injected_failure_is_the_tests_and_names_its_rank_and_step(monkeypat
     import measure
     monkeypatch.delenv("SUITE_FAIL_AT", raising=False)
     monkeypatch.delenv("SUITE_COUNT_ALLREDUCES", raising=False)
-    assert measure.test_hooks() is None
+    assert measure.load_test_hooks() is None
     monkeypatch.setenv("SUITE_FAIL_AT", "1:3")
-    hooks = measure.test_hooks()
+    hooks = measure.load_test_hooks()
     hooks.fail_if_asked(0, 3)
     hooks.fail_if_asked(1, 2)
     with pytest.raises(RuntimeError, match="^failure injected by SUITE_FAIL_AT at step 3$"):
