@@ -1,7 +1,8 @@
 """The command line and the launch: the options every script shares, how a launcher (or Slurm's srun)
 told this process its place in the job, and how a script's failures reach the user.
 
-Imports nothing heavy: a script's --help, and the benchmark runner's planning, start in a blink.
+Imports nothing heavy (no torch, no transformers): what only plans runs, as the benchmark runner does,
+reads the options at once.
 """
 import argparse
 import os
