@@ -276,6 +276,11 @@ class Trainer:
         progress = self.train(first_step)
         metrics = self.evaluate()
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
+        return self.write_result(progress, metrics, first_step)
+
+    def write_result(self, progress, metrics, first_step):
+        """result.json, built here for every script: the run's fields, then each callback's own; rank
+        0 prints the report and writes the file."""
         result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
         self.notify("on_result", result)
         results.publish(self, result, metrics)

@@ -105,7 +105,7 @@ class ModelStateCount(Callback):
 
     def on_result(self, trainer, result):
         result.update(self.result_fields(trainer.strategy.device, result["peak_memory_mb"]))
-        result["model_state_formula_bytes"] = zero_formula(trainer.strategy, trainer.model)
+        result["model_state_formula_bytes"] = zero_formula(trainer.strategy, self.model)
 
 
 def zero_formula(strategy, model):
