@@ -9,7 +9,8 @@ import pytest
 
 import benchmark
 import benchmark_report
-import common
+import machine
+import models
 from conftest import CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, run, run_in_process
 
 # --device cpu goes through to every script; CPU_ONLY keeps the runner's own choices (process count,
@@ -67,7 +68,7 @@ def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_proc
 
     table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
     assert f"noise floor: {report['noise_floor']:.1%}" in table and "Scaling:" in table
-    assert f"3 processes exceed the {common.usable_cores()} usable cores" in table or common.usable_cores() >= 3
+    assert f"3 processes exceed the {machine.usable_cores()} usable cores" in table or machine.usable_cores() >= 3
     line = table_line(table, "ddp-n3")
     for figure in (f"{ddp3['train_seconds']:.1f} ({ddp3['train_seconds_min']:.1f}-{ddp3['train_seconds_max']:.1f})",
                    f"{ddp3['samples_per_second']:.1f}", f"{ddp3['dev_accuracy']:.4f}", str(DEV_SAMPLES)):
@@ -267,7 +268,7 @@ def test_the_benchmark_page_shows_the_committed_benchmark_verbatim():
 def test_without_a_gpu_the_runner_trains_the_tiny_model_unless_told_otherwise(monkeypatch):
     """Eleven rows of the real BERT on a laptop's CPU take hours: without GPUs and without --model the
     runner picks the tiny model and says why; a --model given, or GPUs, keep the scripts' choice."""
-    monkeypatch.setattr(common, "resolve_model", lambda choice: "hub-model" if choice == "auto" else choice)
+    monkeypatch.setattr(models, "resolve_model", lambda choice: "hub-model" if choice == "auto" else choice)
     model, note = benchmark.resolve_model(None, gpus=0)
     assert model == "tiny" and "no GPU" in note
     assert benchmark.resolve_model(None, gpus=1) == ("hub-model", None)
