@@ -291,3 +291,12 @@ def test_the_report_presents_from_the_report_alone():
     """benchmark_report.py reads the report dict (benchmark.json) and nothing else: no torch, no common."""
     loaded = run([PYTHON, "-c", "import sys, benchmark_report; print(sorted({'torch', 'common'} & set(sys.modules)))"])
     assert loaded.stdout.strip() == "[]"
+
+
+def test_the_runner_plans_without_torch():
+    """benchmark.py plans from cli.py and files.py alone: torch, and the modules that import it, load
+    only for the run (timing a step, describing the machine, resolving the model)."""
+    plan = ("import sys, benchmark; cells = benchmark.plan(benchmark.parse_args(['--nprocs', '1,2'], gpus=0), gpus=0); "
+            "print(len(cells), sorted({'torch', 'common', 'machine', 'models'} & set(sys.modules)))")
+    planned, loaded = run([PYTHON, "-c", plan]).stdout.split(maxsplit=1)
+    assert int(planned) > 1 and loaded.strip() == "[]"
