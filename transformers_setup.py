@@ -11,7 +11,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import PartialState
-from sklearn.metrics import accuracy_score, classification_report, f1_score
 from transformers import ProgressCallback, Trainer, TrainerCallback
 
 import cli
@@ -20,6 +19,7 @@ import files
 import machine
 import measure
 import models
+import results
 
 SCRIPT = "multi-gpu-transformers-cls.py"
 
@@ -230,7 +230,7 @@ class SuiteTrainer(Trainer):
 
 
 def dev_metrics(prediction, dev_size):
-    """compute_metrics: scikit-learn's metrics over every dev sample once.
+    """compute_metrics: the suite's dev metrics (results.dev_metrics) over every dev sample once.
 
     `prediction.predictions` holds every process's logits, dataset indices and weights, gathered by
     the Trainer batch by batch. Its gather_for_metrics drops the repeats only of loaders Accelerate
@@ -243,13 +243,9 @@ def dev_metrics(prediction, dev_size):
     if not np.array_equal(indices, np.arange(dev_size)):
         raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {dev_size} dev samples in "
                            f"{len(indices)} predictions")
-    predictions = logits.argmax(axis=-1)
-    labels_range = range(len(common.LABELS))
-    return {"samples": len(indices), "dev_loss": float(losses.mean()),
-            "accuracy": float(accuracy_score(labels, predictions)),
-            "macro_f1": float(f1_score(labels, predictions, average="macro", labels=labels_range, zero_division=0)),
-            "report": classification_report(labels, predictions, labels=labels_range, target_names=common.LABELS,
-                                            digits=4, zero_division=0)}
+    metrics = results.dev_metrics(logits.argmax(axis=-1), labels, losses, common.LABELS)
+    metrics["dev_loss"] = metrics.pop("loss")  # the Trainer writes its own eval_loss over this one
+    return metrics
 
 
 class SuiteEpochs(TrainerCallback):
