@@ -51,14 +51,15 @@ from typing import Callable
 from tqdm import tqdm
 
 import benchmark_report
-import common
+import cli
+import files
 from spawn_setup import free_port
 
-ROOT = common.ROOT
+ROOT = cli.ROOT
 # The launchers come from the same environment as this Python, so every strategy runs the same libraries.
 BIN = Path(sys.executable).parent
 VERSIONED = ["torch", "transformers", "accelerate", "deepspeed", "horovod", "lightning_fabric"]
-SCRIPT_DEFAULTS = common.build_parser(__file__, "")
+SCRIPT_DEFAULTS = cli.build_parser(__file__, "")
 SCRIPT_BATCH_SIZE = SCRIPT_DEFAULTS.get_default("batch_size")
 SCRIPT_MAX_SAMPLES = SCRIPT_DEFAULTS.get_default("max_samples")
 SCRIPT_DEV_RATIO = SCRIPT_DEFAULTS.get_default("dev_ratio")
@@ -270,7 +271,7 @@ def parse_args(argv, gpus):
     parser.add_argument("--global-batch", type=int,
                         help="the same global batch for every row and process count (strong scaling): per-device "
                              "batch = N / devices")
-    parser.add_argument("--precision", choices=common.PRECISIONS,
+    parser.add_argument("--precision", choices=cli.PRECISIONS,
                         help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate, fsdp, hf-trainer, "
                              "fabric); the "
                              "others stay in fp32 (default: the scripts' own: fp32, and for ddp-amp fp16 on GPUs, "
@@ -302,10 +303,10 @@ def parse_variant(value):
     name, rest = split_assignment(value, "=")
     strategy, options = split_assignment(rest or "", ":") if name else (None, None)
     if not strategy:
-        raise common.UserError(f'--variant {value!r}: write NAME=STRATEGY:"OPTIONS", e.g. '
-                               'zero3-cpu-adam=deepspeed:"--zero-stage 3 --offload optimizer"')
+        raise cli.UserError(f'--variant {value!r}: write NAME=STRATEGY:"OPTIONS", e.g. '
+                            'zero3-cpu-adam=deepspeed:"--zero-stage 3 --offload optimizer"')
     if strategy not in STRATEGIES:
-        raise common.UserError(f"--variant {name}: unknown strategy {strategy}; choose from {','.join(STRATEGIES)}")
+        raise cli.UserError(f"--variant {name}: unknown strategy {strategy}; choose from {','.join(STRATEGIES)}")
     return Variant(name, strategy, tuple(shlex.split(options)), "from the command line")
 
 
@@ -315,8 +316,8 @@ def parse_strategy_args(values):
     for value in values:
         strategy, options = split_assignment(value, "=")
         if strategy not in STRATEGIES:
-            raise common.UserError(f"--strategy-args {value!r}: write STRATEGY=\"OPTIONS\" with a strategy from "
-                                   f"{','.join(STRATEGIES)}")
+            raise cli.UserError(f"--strategy-args {value!r}: write STRATEGY=\"OPTIONS\" with a strategy from "
+                                f"{','.join(STRATEGIES)}")
         chosen[strategy] = chosen.get(strategy, []) + shlex.split(options)
     return chosen
 
@@ -327,7 +328,7 @@ def parse_counts(value):
     except ValueError:
         counts = []
     if not counts or any(count < 1 for count in counts) or len(set(counts)) != len(counts):
-        raise common.UserError(f"--nprocs takes process counts of at least 1, like 2 or 1,2,4; got {value!r}")
+        raise cli.UserError(f"--nprocs takes process counts of at least 1, like 2 or 1,2,4; got {value!r}")
     return sorted(counts)
 
 
@@ -335,8 +336,8 @@ def names(option, value, known):
     chosen = [name.strip() for name in value.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in known]
     if unknown:
-        raise common.UserError(f"{option}: unknown row {', '.join(unknown)}; choose from {','.join(known)} "
-                               "(--list describes them)")
+        raise cli.UserError(f"{option}: unknown row {', '.join(unknown)}; choose from {','.join(known)} "
+                            "(--list describes them)")
     return chosen
 
 
@@ -346,9 +347,9 @@ def check_args(args, passthrough, default_nprocs):
     for name in ("repeat", "max_samples", "epochs", "max_steps", "batch_size", "global_batch", "profile"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            raise cli.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.timeout <= 0:
-        raise common.UserError(f"--timeout must be positive, got {args.timeout:g}")
+        raise cli.UserError(f"--timeout must be positive, got {args.timeout:g}")
     args.counts = parse_counts(args.nprocs)
     own = [parse_variant(value) for value in args.variant]
     args.variants = {variant.name: variant for variant in BUILT_IN_VARIANTS + own}
@@ -358,16 +359,16 @@ def check_args(args, passthrough, default_nprocs):
     skip = names("--skip", args.skip, args.variants) if args.skip else []
     args.rows = [args.variants[name] for name in dict.fromkeys(chosen) if name not in skip]
     if not args.rows and not args.list:
-        raise common.UserError("--only and --skip leave no row to run")
+        raise cli.UserError("--only and --skip leave no row to run")
     if args.global_batch:
         if args.batch_size:
-            raise common.UserError("--global-batch sets each script's --batch-size: pass one or the other")
+            raise cli.UserError("--global-batch sets each script's --batch-size: pass one or the other")
         micro = args.grad_accum or 1
         uneven = [count for count in args.counts if args.global_batch % (count * micro)]
         if uneven:
-            raise common.UserError(f"--global-batch {args.global_batch} does not split evenly over "
-                                   f"{' and '.join(map(str, uneven))} processes (--nprocs {args.nprocs})"
-                                   + (f" x {micro} micro-batches" if micro > 1 else ""))
+            raise cli.UserError(f"--global-batch {args.global_batch} does not split evenly over "
+                                f"{' and '.join(map(str, uneven))} processes (--nprocs {args.nprocs})"
+                                + (f" x {micro} micro-batches" if micro > 1 else ""))
     args.passthrough = passthrough
     args.output_dir = Path(args.output_dir).resolve()
     return args
@@ -377,9 +378,9 @@ def apply_real_size(args, default_nprocs):
     """--real-size: base-shape at 2 processes (the plan adds 4 for the sharded rows), and the plan's
     defaults where the command line gives none."""
     if args.model not in (None, "base-shape"):
-        raise common.UserError(f"--real-size trains --model base-shape, not {args.model}: leave --model out")
+        raise cli.UserError(f"--real-size trains --model base-shape, not {args.model}: leave --model out")
     if args.nprocs != default_nprocs:
-        raise common.UserError("--real-size runs 2 processes per row, and 4 for the sharded ones: leave --nprocs out")
+        raise cli.UserError("--real-size runs 2 processes per row, and 4 for the sharded ones: leave --nprocs out")
     args.model, args.nprocs = "base-shape", ",".join(map(str, REAL_SIZE_COUNTS))
     for name, value in REAL_SIZE_DEFAULTS.items():
         if getattr(args, name) is None:
@@ -478,7 +479,7 @@ def available_memory_bytes():
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
-    raise common.UserError("cannot read MemAvailable from /proc/meminfo: the memory check needs Linux")
+    raise cli.UserError("cannot read MemAvailable from /proc/meminfo: the memory check needs Linux")
 
 
 def processes(cell):
@@ -491,9 +492,9 @@ def check_memory(cells, parameters, available):
     largest = max(cells, key=processes)
     needed = processes(largest) * (BYTES_PER_PARAMETER * parameters + BYTES_BEYOND_PARAMETERS)
     if needed > available:
-        raise common.UserError(f"this plan needs about {needed / 2**30:.1f} GiB for {largest['row']} "
-                               f"({processes(largest)} processes of {parameters / 1e6:.1f} M parameters) but "
-                               f"{available / 2**30:.1f} GiB is available: run fewer processes (--only) or free memory")
+        raise cli.UserError(f"this plan needs about {needed / 2**30:.1f} GiB for {largest['row']} "
+                            f"({processes(largest)} processes of {parameters / 1e6:.1f} M parameters) but "
+                            f"{available / 2**30:.1f} GiB is available: run fewer processes (--only) or free memory")
     return needed
 
 
@@ -503,12 +504,14 @@ def time_one_step(args):
     2-process row gets on 2 cores; timing on all cores would also time how the threads of a loaded
     machine wait for each other."""
     import torch
+    import common
+    import models
     batch_size = args.batch_size or SCRIPT_BATCH_SIZE
     texts = [text for text, _ in common.load_records(ROOT / "data" / "train.json")[:batch_size]]
-    tokenizer, model = common.build_base_shape_model(texts, 0, {"num_labels": len(common.LABELS)})
+    tokenizer, model = models.build_base_shape_model(texts, 0, {"num_labels": len(common.LABELS)})
     batch = tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
     labels = torch.zeros(len(texts), dtype=torch.long)
-    optimizer = common.make_optimizer(model, 1e-4, 0.01)
+    optimizer = models.make_optimizer(model, 1e-4, 0.01)
     seconds, threads = [], torch.get_num_threads()
     torch.set_num_threads(1)
     for _ in range(2):
@@ -526,7 +529,8 @@ def estimate_seconds(cells, step_seconds, args):
     and its evaluation. N processes, each with its own batch, share the machine's cores: a step takes
     N / cores times the one-thread step. The dev batches are split over the processes, each a forward
     pass, about a third of a step."""
-    cores = common.usable_cores()
+    import machine
+    cores = machine.usable_cores()
     batch_size = args.batch_size or SCRIPT_BATCH_SIZE
     dev_batches = round((args.max_samples or SCRIPT_MAX_SAMPLES) * SCRIPT_DEV_RATIO) / batch_size
     evaluation = step_seconds * dev_batches / 3 / cores
@@ -536,7 +540,9 @@ def estimate_seconds(cells, step_seconds, args):
 
 def announce_real_size(args, cells):
     """Check the plan's memory, time a step, and say what the plan will take before it starts."""
-    parameters = bert_parameters(common.base_shape_config(), len(common.LABELS))
+    import common
+    import models
+    parameters = bert_parameters(models.base_shape_config(), len(common.LABELS))
     needed = check_memory(cells, parameters, available_memory_bytes())
     print(f"real size: {parameters:,} parameters; the largest launch needs about {needed / 2**30:.1f} GiB",
           flush=True)
@@ -575,7 +581,8 @@ def expected_duration(args, cells, model, gpus):
         # a launch costs the epoch's batches at one step each, over the cores.
         batches = (args.max_samples or SCRIPT_MAX_SAMPLES) * (1 - SCRIPT_DEV_RATIO) * (args.epochs or 1) / (
             args.batch_size or SCRIPT_BATCH_SIZE)
-        seconds = (LAUNCH_SECONDS + step_seconds * batches / common.usable_cores()) * launches
+        import machine
+        seconds = (LAUNCH_SECONDS + step_seconds * batches / machine.usable_cores()) * launches
     hours = seconds / 3600
     return (f"plan: {launches} launch(es) of a BERT-base-sized model on the CPU, about {hours:.1f} hours (a step "
             f"took {step_seconds:.1f} s here); --model tiny compares the strategies in minutes")
@@ -648,7 +655,7 @@ def launch_cell(args, cell, model, gpus):
         cell.update(status="failed", reason=reason, wall_seconds=round(wall, 2))
         return f"FAILED after {wall:.0f} s: {reason} (log: {relative(log_path)})"
     if args.repeat > 1:
-        common.write_json(run_dir / f"result-{len(cell['runs']) + 1}.json", result)
+        files.write_json(run_dir / f"result-{len(cell['runs']) + 1}.json", result)
     cell["runs"].append({**result, "wall_seconds": round(wall, 2), "launch_command": shlex.join(command)})
     cell["status"] = "ok"
     return (f"ok, {result['train_seconds']:.1f} s training, {wall:.1f} s wall, "
@@ -799,10 +806,11 @@ def cpu_model():
 
 def describe_machine():
     import torch
+    import machine
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     counted = ", ".join(f"{gpus.count(name)} x {name}" for name in dict.fromkeys(gpus)) or "no GPU"
-    cores = common.usable_cores()
-    native = [p for p in ("bf16", "fp16") if common.computes_natively(p, torch.device("cpu"))]
+    cores = machine.usable_cores()
+    native = [p for p in ("bf16", "fp16") if machine.computes_natively(p, torch.device("cpu"))]
     cpu = f"{cpu_model()} ({', '.join(native) + ' native' if native else 'no native bf16/fp16'})"
     return {"cpu": cpu_model(), "cores": cores, "cpu_native_16bit": native, "gpus": gpus,
             "summary": f"{cpu}, {cores} usable cores, {counted}"}
@@ -842,26 +850,28 @@ def gpu_count():
 def resolve_model(choice, gpus):
     """The model every strategy trains, resolved once, here, and said. Without --model: auto with
     GPUs; without them the tiny model, since eleven rows of the real BERT on a CPU take hours."""
-    model = common.resolve_model(choice or ("auto" if gpus else "tiny"))
+    import common
+    import models
+    model = models.resolve_model(choice or ("auto" if gpus else "tiny"))
     if model == "tiny":
         note = ("the offline tiny BERT (2 layers, hidden 128, random weights): "
                 "the figures compare strategies, not models")
         if choice is None and not gpus:
             note += "; chosen because this machine has no GPU (--model auto or a model folder trains the real one)"
         elif choice in (None, "auto"):
-            note += f"; chosen because {relative(common.LOCAL_MODEL_DIR)} is absent and the hub is unreachable"
+            note += f"; chosen because {relative(models.LOCAL_MODEL_DIR)} is absent and the hub is unreachable"
         return model, note
     if model == "base-shape":
-        parameters = bert_parameters(common.base_shape_config(), len(common.LABELS))
-        return model, (f"the architecture of {common.HUB_MODEL_ID} (BERT-base, {parameters:,} parameters), "
-                       f"{common.RANDOM_WEIGHTS_BANNER}")
+        parameters = bert_parameters(models.base_shape_config(), len(common.LABELS))
+        return model, (f"the architecture of {models.HUB_MODEL_ID} (BERT-base, {parameters:,} parameters), "
+                       f"{models.RANDOM_WEIGHTS_BANNER}")
     return model, None
 
 
 def write_report(report, output_dir, final):
     """The figures, benchmark.json, and benchmark_report's table and chart."""
     add_figures(report)
-    common.write_json(output_dir / "benchmark.json", report)
+    files.write_json(output_dir / "benchmark.json", report)
     benchmark_report.write(report, output_dir, final)
 
 
@@ -931,4 +941,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -212,7 +212,7 @@ def terminal_report(report):
 
 
 def write_text(path, text):
-    """Atomically, as common.write_json: a reader never sees half a file."""
+    """Atomically, as files.write_json: a reader never sees half a file."""
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     staging.write_text(text, encoding="utf-8")
     os.replace(staging, path)

@@ -9,7 +9,11 @@ from pathlib import Path
 import pydantic
 import torch
 
+import cli
 import common
+import files
+import machine
+import models
 
 # DeepSpeed 0.19 still calls collectives that torch 2.13 has renamed: a warning per call site and rank.
 warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated")
@@ -32,7 +36,7 @@ def add_deepspeed_args(parser):
     parser.add_argument("--offload", choices=list(OFFLOAD_KEYS),
                         help="keep the optimizer state (and, at stage 3, the weights) in CPU memory; "
                              "None = the config file's, else none")
-    common.add_precision_arg(parser, default=None, default_help="the config file's, else fp32")
+    cli.add_precision_arg(parser, default=None, default_help="the config file's, else fp32")
     parser.add_argument("--estimate-memory", type=int, nargs="*", metavar="N",
                         help="print the model-state memory per GPU and per machine for each --zero-stage and "
                              "--offload, for GPUS_PER_NODE [NODES] (None given = this launch's processes), "
@@ -49,17 +53,17 @@ def import_deepspeed(device):
 
 def build_config(args, device, world_size):
     """The DeepSpeed config: the file (if any), the flags on top of it, then the batch sizes."""
-    config = common.read_json_object(args.deepspeed_config, "DeepSpeed config") if args.deepspeed_config else {}
+    config = files.read_json_object(args.deepspeed_config, "DeepSpeed config") if args.deepspeed_config else {}
     if "optimizer" in config or "scheduler" in config:
-        raise common.UserError(f"{args.deepspeed_config}: remove its optimizer/scheduler section: this script "
-                               "builds AdamW from --lr and --weight-decay, as every script of the suite does")
+        raise cli.UserError(f"{args.deepspeed_config}: remove its optimizer/scheduler section: this script "
+                            "builds AdamW from --lr and --weight-decay, as every script of the suite does")
     zero = config.setdefault("zero_optimization", {})
     if args.zero_stage is not None:
         zero["stage"] = args.zero_stage
     zero.setdefault("stage", 2)
     zero.setdefault("reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)
     if zero["stage"] not in (0, 1, 2, 3):
-        raise common.UserError(f"{args.deepspeed_config}: ZeRO stage must be 0, 1, 2 or 3, got {zero['stage']!r}")
+        raise cli.UserError(f"{args.deepspeed_config}: ZeRO stage must be 0, 1, 2 or 3, got {zero['stage']!r}")
     if args.offload is not None:
         for key in OFFLOAD_KEYS["optimizer+param"]:
             zero.pop(key, None)
@@ -67,15 +71,15 @@ def build_config(args, device, world_size):
             zero[key] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     offload = offload_label(zero)
     if "param" in offload and zero["stage"] != 3:
-        raise common.UserError(f"offloading the weights needs --zero-stage 3 (only stage 3 partitions them); "
-                               f"this run asks for stage {zero['stage']}")
+        raise cli.UserError(f"offloading the weights needs --zero-stage 3 (only stage 3 partitions them); "
+                            f"this run asks for stage {zero['stage']}")
     if offload != "none" and zero["stage"] == 0:
-        raise common.UserError("offloading the optimizer needs --zero-stage 1, 2 or 3: stage 0 has no ZeRO optimizer")
+        raise cli.UserError("offloading the optimizer needs --zero-stage 1, 2 or 3: stage 0 has no ZeRO optimizer")
 
     # Precision: the flag, else what the file enables, else fp32 like every other row of the
     # benchmark (DeepSpeed's own default is 16-bit: mixing it in would compare two things at once).
     precision = args.precision or next((p for p in ("fp16", "bf16") if config.get(p, {}).get("enabled")), "fp32")
-    common.check_precision(precision, device)
+    machine.check_precision(precision, device)
     for name in ("fp16", "bf16"):
         config[name] = {**config.get(name, {}), "enabled": precision == name}
 
@@ -88,8 +92,8 @@ def build_config(args, device, world_size):
     batch = dict(zip(BATCH_KEYS, (args.batch_size, args.grad_accum, args.batch_size * world_size * args.grad_accum)))
     for key, value in batch.items():
         if config.get(key, value) != value:
-            raise common.UserError(f"{args.deepspeed_config} sets {key} {config[key]}, but the command line gives "
-                                   f"{value}: batch sizes come from --batch-size and --grad-accum")
+            raise cli.UserError(f"{args.deepspeed_config} sets {key} {config[key]}, but the command line gives "
+                                f"{value}: batch sizes come from --batch-size and --grad-accum")
     config.update(batch)
     return config, precision
 
@@ -110,7 +114,7 @@ def offload_label(zero):
 
 
 def make_optimizer(model, lr, args, config):
-    optimizer = common.make_optimizer(model, lr, args.weight_decay)
+    optimizer = models.make_optimizer(model, lr, args.weight_decay)
     if "optimizer" not in offload_label(config["zero_optimization"]):
         return optimizer
     # ZeRO-Offload steps the optimizer on the CPU, where DeepSpeed's vectorised Adam (a C++ op,
@@ -128,7 +132,7 @@ def config_errors():
         yield
     except pydantic.ValidationError as error:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-        raise common.UserError(f"DeepSpeed rejected the config ({error.title}): {problems}") from None
+        raise cli.UserError(f"DeepSpeed rejected the config ({error.title}): {problems}") from None
 
 
 def remove_shared_memory_buffer(rank):
@@ -142,7 +146,7 @@ def remove_shared_memory_buffer(rank):
 def estimate_memory(args):
     """--estimate-memory: rank 0 prints the table (no process group is formed, no training)."""
     gpus_per_node, nodes = estimate_layout(args.estimate_memory)
-    if common.current_rank() == 0:
+    if cli.current_rank() == 0:
         import_deepspeed(torch.device("cpu"))
         print_memory_estimate(args, gpus_per_node, nodes)
 
@@ -155,8 +159,8 @@ def print_memory_estimate(args, gpus_per_node, nodes):
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     train_records, _ = common.split_records(common.load_records(args.data), args.max_samples, args.dev_ratio,
                                             args.seed)
-    _, model, model_name, _ = common.load_model(args, [text for text, _ in train_records],
-                                                common.resolve_model(args.model))
+    _, model, model_name, _ = models.load_model(args, [text for text, _ in train_records],
+                                                models.resolve_model(args.model), common.LABELS)
     params, largest_layer = model_to_params(model)
     gpus, layout = gpus_per_node * nodes, dict(num_gpus_per_node=gpus_per_node, num_nodes=nodes)
     # Per parameter: 2 bytes of 16-bit weights, 2 of 16-bit and 4 of fp32 gradients, 4 of fp32
@@ -186,7 +190,7 @@ def size(count):
 def estimate_layout(values):
     """(GPUs per machine, machines) from --estimate-memory, else from the launch, else this machine."""
     if len(values) > 2 or any(value < 1 for value in values):
-        raise common.UserError("--estimate-memory takes GPUS_PER_NODE [NODES], each at least 1")
+        raise cli.UserError("--estimate-memory takes GPUS_PER_NODE [NODES], each at least 1")
     if values:
         return values[0], values[1] if len(values) == 2 else 1
     if "WORLD_SIZE" in os.environ:

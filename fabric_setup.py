@@ -16,7 +16,10 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
+import checkpoints
+import cli
 import common
+import machine
 
 # The suite's --precision and Fabric's names for it: "32-true" is Fabric's default, the mixed ones autocast.
 FABRIC_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -32,7 +35,7 @@ def add_fabric_args(parser):
     parser.add_argument("--fabric-strategy", choices=FABRIC_STRATEGIES, default="ddp",
                         help="ddp: a model copy per process; fsdp2: weights, gradients and optimizer state sharded "
                              "(Fabric's ModelParallelStrategy); deepspeed: ZeRO stage 2 (CUDA GPUs only)")
-    common.add_precision_arg(parser, default=None, default_help="fabric run's --precision, else fp32")
+    cli.add_precision_arg(parser, default=None, default_help="fabric run's --precision, else fp32")
 
 
 def launcher_name():
@@ -49,32 +52,32 @@ def resolve_launch(args):
     fabric run hands its --accelerator and --precision to Fabric() in LT_* variables that override
     Fabric's arguments; the script reads them here and passes Fabric the one answer instead."""
     if "LT_STRATEGY" in os.environ:
-        raise common.UserError(f"fabric run --strategy {os.environ['LT_STRATEGY']}: leave it out and give the script "
-                               f"--fabric-strategy {'|'.join(FABRIC_STRATEGIES)}")
+        raise cli.UserError(f"fabric run --strategy {os.environ['LT_STRATEGY']}: leave it out and give the script "
+                            f"--fabric-strategy {'|'.join(FABRIC_STRATEGIES)}")
     accelerator = os.environ.pop("LT_ACCELERATOR", "auto")
     accelerator = {"gpu": "cuda"}.get(accelerator, accelerator)
     if accelerator not in ("auto", "cpu", "cuda"):
-        raise common.UserError(f"fabric run --accelerator {accelerator}: this script trains on cpu or cuda")
+        raise cli.UserError(f"fabric run --accelerator {accelerator}: this script trains on cpu or cuda")
     if "auto" not in (accelerator, args.device) and accelerator != args.device:
-        raise common.UserError(f"--device {args.device} and fabric run --accelerator {accelerator} disagree: give one")
-    device = common.resolve_device(args.device if accelerator == "auto" else accelerator,
-                                   int(os.environ.get("LOCAL_RANK", 0)))
+        raise cli.UserError(f"--device {args.device} and fabric run --accelerator {accelerator} disagree: give one")
+    device = machine.resolve_device(args.device if accelerator == "auto" else accelerator,
+                                    int(os.environ.get("LOCAL_RANK", 0)))
 
     launched = os.environ.pop("LT_PRECISION", None)
     if launched is not None and launched not in SUITE_PRECISION:
-        raise common.UserError(f"fabric run --precision {launched}: this script trains in 32-true, bf16-mixed or "
-                               "16-mixed (its --precision fp32, bf16 or fp16)")
+        raise cli.UserError(f"fabric run --precision {launched}: this script trains in 32-true, bf16-mixed or "
+                            "16-mixed (its --precision fp32, bf16 or fp16)")
     if launched is not None and args.precision not in (None, SUITE_PRECISION[launched]):
-        raise common.UserError(f"--precision {args.precision} and fabric run --precision {launched} disagree: give one")
+        raise cli.UserError(f"--precision {args.precision} and fabric run --precision {launched} disagree: give one")
     precision = args.precision or SUITE_PRECISION.get(launched, "fp32")
     # On CPU Fabric turns 16-mixed into bf16-mixed with a warning: refuse rather than mislabel.
-    common.check_precision(precision, device)
+    machine.check_precision(precision, device)
     if args.fabric_strategy == "fsdp2" and precision == "fp16":
-        raise common.UserError("--fabric-strategy fsdp2 has no fp16: Fabric's ModelParallelStrategy offers "
-                               "bf16-mixed and 32-true (use --precision bf16 or fp32)")
+        raise cli.UserError("--fabric-strategy fsdp2 has no fp16: Fabric's ModelParallelStrategy offers "
+                            "bf16-mixed and 32-true (use --precision bf16 or fp32)")
     if args.fabric_strategy == "deepspeed" and device.type != "cuda":
-        raise common.UserError("--fabric-strategy deepspeed needs CUDA GPUs (Fabric's DeepSpeedStrategy refuses "
-                               "the CPU); on CPU, multi-gpu-deepspeed-cls.py runs DeepSpeed over gloo")
+        raise cli.UserError("--fabric-strategy deepspeed needs CUDA GPUs (Fabric's DeepSpeedStrategy refuses "
+                            "the CPU); on CPU, multi-gpu-deepspeed-cls.py runs DeepSpeed over gloo")
     return device, precision
 
 
@@ -95,7 +98,7 @@ def fabric_strategy(args):
                                      tensor_parallel_size=1, timeout=timeout)
     os.environ["DS_ACCELERATOR"] = "cuda"  # DeepSpeed picks its accelerator when first imported
     if importlib.util.find_spec("deepspeed") is None:  # Fabric would import it: say what is missing in one line
-        raise common.UserError("--fabric-strategy deepspeed needs the deepspeed package")
+        raise cli.UserError("--fabric-strategy deepspeed needs the deepspeed package")
     # ZeRO stage 2 with DDP's 25 MiB reduce bucket as in configs/deepspeed/ (DeepSpeed's own default
     # allocates 1.9 GB), the batch sizes the suite's loaders give, and no gradient clipping (no other
     # script clips). Fabric adds the precision section.
@@ -125,7 +128,7 @@ def fabric_errors():
     try:
         yield
     except (ValueError, MisconfigurationException) as error:
-        raise common.UserError(f"Fabric: {str(error).strip().splitlines()[0]}") from None
+        raise cli.UserError(f"Fabric: {str(error).strip().splitlines()[0]}") from None
 
 
 class FabricStrategyBase(common.Strategy):
@@ -169,18 +172,18 @@ class FabricStrategyBase(common.Strategy):
                 full = safe_get_full_fp32_param(param)
                 state[name] = (param if full is None else full).detach().float().cpu()
         if self.is_main:
-            common.save_model(inner, tokenizer, path, state_dict=state)
+            checkpoints.save_model(inner, tokenizer, path, state_dict=state)
 
     def save_state(self, model, optimizer, path, state):
         # --save-steps: fabric.save writes what the strategy needs (DDP: one file from rank 0; FSDP2:
         # every process its shards; DeepSpeed: its own checkpoint), and ends with a barrier. Into a
         # staging folder that rank 0 swaps in once all of it is there.
-        with common.staged_checkpoint(path, state, self.is_main, self.fabric.barrier) as staging:
+        with checkpoints.staged_checkpoint(path, state, self.is_main, self.fabric.barrier) as staging:
             self.fabric.save(staging / "fabric", {"model": model, "optimizer": optimizer})
 
     def load_state(self, model, optimizer, path):
         self.fabric.load(path / "fabric", {"model": model, "optimizer": optimizer}, weights_only=True)
-        return torch.load(path / common.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        return torch.load(path / checkpoints.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
 
     def extra_state(self):
         # fp16's gradient scaler lives in Fabric's precision plugin (GPUs only); the others have none.

@@ -1,17 +1,50 @@
-"""Measurements the Trainer takes beside the lesson, so that a reader of the training loop meets only
-the strategy: how many bytes of model state each process really holds against what the ZeRO formulas
-predict, where a step's time goes (--profile), and, for the tests, how many gradient all-reduces DDP
-runs and a failure injected at a given step. Each wraps the methods it measures on the one object it
-measures."""
-import itertools
+"""Measurements beside the lesson, so that a reader of the training loop meets only the strategy:
+how many bytes of model state each process really holds against what the ZeRO formulas predict,
+and where a step's time goes (--profile). Each is a `Callback`: the Trainer calls it at the named
+points of its loop, and it adds its fields to result.json. The tests' own hooks (tests/hooks.py) are
+callbacks too, loaded only when a test's environment asks for them."""
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, record_function
 
 
-class ModelStateCount:
+class Callback:
+    """Called by the Trainer at each point of its loop, in this order, as transformers.TrainerCallback
+    and Lightning's callbacks are; a measurement overrides the points it needs."""
+
+    def on_train_begin(self, trainer):
+        """Before the loop's clock starts."""
+
+    def on_micro_batch_begin(self, trainer):
+        """Before a micro-batch is fetched from the training loader."""
+
+    def on_forward_begin(self, trainer):
+        """The micro-batch is on the device."""
+
+    def on_backward_begin(self, trainer):
+        """The loss is computed."""
+
+    def on_backward_end(self, trainer):
+        """The micro-batch's gradients are computed (and, on its last micro-batch, reduced by the strategy)."""
+
+    def on_optimizer_step_begin(self, trainer):
+        """Every micro-batch of the step is through backward."""
+
+    def on_step_end(self, trainer, step):
+        """Optimizer step `step` (counted from 1, from the checkpoint's step on --resume) is taken."""
+
+    def on_train_end(self, trainer):
+        """The loop's clock has stopped."""
+
+    def on_result(self, trainer, result):
+        """Add this measurement's fields to `result` (result.json)."""
+
+
+class ModelStateCount(Callback):
     """Bytes of parameters, gradients and optimizer state this process holds, counted from the
     tensors themselves just before the second optimizer step, where all three exist (Adam creates
     its moments in the first step, and zero_grad frees the gradients after each).
@@ -27,14 +60,11 @@ class ModelStateCount:
         self.model, self.optimizer, self.steps, self.bytes, self.bytes_by_device = model, optimizer, 0, None, None
         engine = getattr(strategy, "engine", None)
         self.zero_optimizer = getattr(engine, "optimizer", None)  # DeepSpeed's
-        self.strategy_step = strategy.step
-        strategy.step = self.count_then_step  # on this strategy object only
 
-    def count_then_step(self, model, optimizer):
+    def on_optimizer_step_begin(self, trainer):
         self.steps += 1
         if self.steps <= 2:
             self.count()
-        self.strategy_step(model, optimizer)
 
     def count(self):
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's and DeepSpeed's wrap torch's
@@ -73,6 +103,10 @@ class ModelStateCount:
                 peak_memory_mb - self.bytes_by_device.get("cuda", 0) / 2**20, 1)
         return fields
 
+    def on_result(self, trainer, result):
+        result.update(self.result_fields(trainer.strategy.device, result["peak_memory_mb"]))
+        result["model_state_formula_bytes"] = zero_formula(trainer.strategy, self.model)
+
 
 def zero_formula(strategy, model):
     """The model state per process that the ZeRO paper's formulas predict for this run: with P
@@ -91,7 +125,7 @@ def zero_formula(strategy, model):
         weight_bytes = 2 if engine.fp16_enabled() or engine.bfloat16_enabled() else 4
         master_bytes = 4 if stage or weight_bytes == 2 else 0  # DeepSpeed's own fp32 copy
     else:
-        stage = 3 if any(isinstance(p, DTensor) for p in parameters) else 0
+        stage = 3 if any(is_dtensor(p) for p in parameters) else 0
         weight_bytes, master_bytes = parameters[0].element_size(), 0  # FSDP2 keeps its shards in fp32
     persistent = sum(numel[id(p)] for p in parameters if getattr(p, "ds_persist", False))
     gradients_sharded = stage >= 2 or (engine is not None and stage == 1)
@@ -118,79 +152,53 @@ def storage_bytes(tensors, seen):
 
 def local(tensor):
     """This process's part of a tensor: the local shard of FSDP2's DTensors."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
-# Tests set it to count DDP's gradient all-reduces (result.json: gradient_allreduces).
-COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"
+def is_dtensor(tensor):
+    """Whether `tensor` is a DTensor, without importing torch.distributed.tensor (a second of every
+    start): a run whose strategy shards with DTensors has imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
-class GradientAllReduceCount:
-    """How many gradient all-reduces DDP runs: one per gradient bucket per synchronised backward.
-    A communication hook that counts, then runs the same all-reduce DDP runs by default."""
-
-    def __init__(self, model):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        self.calls, self.allreduce = 0, allreduce_hook
-        model.register_comm_hook(None, self.hook)
-
-    def hook(self, process_group, bucket):
-        self.calls += 1
-        return self.allreduce(process_group, bucket)
+# The environment variables of the tests' hooks: tests/hooks.py holds the hooks, outside the project's code.
+FAIL_AT_ENV = "SUITE_FAIL_AT"  # "RANK:STEP": that rank fails right after that optimizer step
+COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"  # count DDP's gradient all-reduces (result.json: gradient_allreduces)
+TEST_HOOKS = Path(__file__).resolve().parent / "tests" / "hooks.py"
 
 
-def gradient_allreduce_count(model):
-    """A counter of DDP's gradient all-reduces when COUNT_ALLREDUCES_ENV asks for one and `model` is
-    DDP or wraps it (Fabric's module wraps its DDP), else None."""
-    from torch.nn.parallel import DistributedDataParallel
-    ddp = next((module for module in model.modules() if isinstance(module, DistributedDataParallel)), None)
-    if os.environ.get(COUNT_ALLREDUCES_ENV) and ddp is not None:
-        return GradientAllReduceCount(ddp)
-    return None
+def load_test_hooks():
+    """The module tests/hooks.py when a test's environment asks for one of its hooks, else None."""
+    if not (os.environ.get(FAIL_AT_ENV) or os.environ.get(COUNT_ALLREDUCES_ENV)):
+        return None
+    spec = importlib.util.spec_from_file_location("hooks", TEST_HOOKS)
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
 
 
-# Tests set it to "RANK:STEP" to check that a failing rank ends the whole job.
-FAIL_AT_ENV = "SUITE_FAIL_AT"
-
-
-def parse_fail_at(value):
-    """(rank, step) of a FAIL_AT_ENV value, or (None, None) when it is unset."""
-    if not value:
-        return None, None
-    rank, step = value.split(":")
-    return int(rank), int(step)
-
-
-def inject_failure(strategy, first_step):
-    """When FAIL_AT_ENV names this process's rank, make its strategy.step raise right after that
-    optimizer step, counted as the Trainer counts them: from the checkpoint's step on --resume."""
-    fail_rank, fail_step = parse_fail_at(os.environ.get(FAIL_AT_ENV))
-    if fail_rank != strategy.rank:
-        return
-    strategy_step, steps = strategy.step, itertools.count(first_step + 1)
-
-    def step_then_fail(*args):
-        strategy_step(*args)
-        step = next(steps)
-        if step == fail_step:
-            raise RuntimeError(f"failure injected by {FAIL_AT_ENV} at step {step}")
-    strategy.step = step_then_fail  # on this strategy object only
+def callbacks_for_tests(trainer):
+    """The callbacks of the tests' hooks that this run's environment asks for (none in a user's run)."""
+    hooks = load_test_hooks()
+    return hooks.callbacks(trainer) if hooks else []
 
 
 PHASES = ("data loading", "forward", "backward", "optimizer step")
 WARMUP_STEPS = 2  # before the recorded steps: the first steps allocate, compile kernels, fill caches
 
 
-class StepProfile:
+class StepProfile(Callback):
     """--profile STEPS: record STEPS training steps with torch.profiler after a short warm-up, write
     the trace (Perfetto, chrome://tracing) and summarise where a step's time goes.
 
-    Each phase is a profiler range around the Trainer's and the strategy's own methods; on a GPU a
-    phase also waits for its kernels, so that it lasts as long as its work (only while profiling).
+    Each phase is a profiler range between two points of the Trainer's loop; on a GPU a phase also
+    waits for its kernels, so that it lasts as long as its work (only while profiling).
     Communication is the collectives the profiler sees by name: gloo's run on gloo's threads, NCCL's
     as kernels. What runs while the process computes is overlapped; the rest is exposed (waited
     for), and is taken out of the phase that waited. Horovod's all-reduces run on its own background
-    thread, invisible here: its exposed part is the wait in its optimizer's synchronize().
+    thread, invisible here: its exposed part is the wait in its optimizer's synchronize(), a range
+    of the Horovod script's own.
     """
 
     def __init__(self, trainer, steps, remaining_steps):
@@ -201,35 +209,48 @@ class StepProfile:
         schedule = torch.profiler.schedule(wait=max(0, warmup - 1), warmup=min(1, warmup), active=self.steps,
                                             repeat=1)
         self.profiler = torch.profiler.profile(activities=activities, schedule=schedule)
-        strategy, optimizer = trainer.strategy, trainer.optimizer
-        trainer.train_loader = TimedLoader(trainer.train_loader, self.timed)
-        trainer.to_device = self.timed("data loading", trainer.to_device)
-        trainer.forward = self.timed("forward", trainer.forward)
-        strategy.backward = self.timed("backward", strategy.backward)
-        strategy_step = self.timed("optimizer step", strategy.step)
+        self.phase = None  # the open range
 
-        def step_then_mark(*args):
-            strategy_step(*args)
-            self.profiler.step()
-        strategy.step = step_then_mark
-        if hasattr(optimizer, "synchronize"):  # Horovod's DistributedOptimizer
-            optimizer.synchronize = self.timed("horovod:synchronize", optimizer.synchronize)
+    def begin(self, name):
+        self.end()
+        self.phase = record_function(name)
+        self.phase.__enter__()
 
-    def timed(self, name, function):
-        def timed_function(*args, **kwargs):
-            with record_function(name):
-                result = function(*args, **kwargs)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-            return result
-        return timed_function
+    def end(self):
+        if self.phase is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.phase.__exit__(None, None, None)
+            self.phase = None
 
-    def __enter__(self):
+    def on_train_begin(self, trainer):
         self.profiler.start()
-        return self
 
-    def __exit__(self, *exc_info):
+    def on_micro_batch_begin(self, trainer):
+        self.begin("data loading")
+
+    def on_forward_begin(self, trainer):
+        self.begin("forward")
+
+    def on_backward_begin(self, trainer):
+        self.begin("backward")
+
+    def on_backward_end(self, trainer):
+        self.end()
+
+    def on_optimizer_step_begin(self, trainer):
+        self.begin("optimizer step")
+
+    def on_step_end(self, trainer, step):
+        self.end()
+        self.profiler.step()
+
+    def on_train_end(self, trainer):
         self.profiler.stop()
+
+    def on_result(self, trainer, result):
+        if trainer.strategy.is_main:
+            result["profile"] = self.summary()
 
     def summary(self):
         """Write the trace; return milliseconds per recorded step by phase (they add up to the
@@ -278,27 +299,6 @@ def step_anatomy(events, on_gpu):
             "overlapped_communication_ms": round(ms_per_step(communicating) - phases["exposed communication"], 3),
             "collectives": collectives,
             **({"note": HOROVOD_NOTE} if "horovod:synchronize" in collectives else {})}
-
-
-class TimedLoader:
-    """The training DataLoader, each batch fetched inside a "data loading" range."""
-
-    def __init__(self, loader, timed):
-        self.loader, self.next_batch = loader, timed("data loading", next)
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-    def __len__(self):
-        return len(self.loader)
-
-    def __iter__(self):
-        batches = iter(self.loader)
-        while True:
-            try:
-                yield self.next_batch(batches)
-            except StopIteration:
-                return
 
 
 COLLECTIVE_NAMES = ("gloo:", "horovod:")  # gloo's own threads, Horovod's wait; NCCL's are GPU kernels

@@ -22,7 +22,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 
+import checkpoints
+import cli
 import common
+import machine
+import models
 
 
 class Accelerate(common.Strategy):
@@ -75,20 +79,20 @@ class Accelerate(common.Strategy):
         # adds the config and tokenizer predict.py and pipeline() need, in a folder swapped in whole.
         state = self.accelerator.get_state_dict(model)
         if self.is_main:
-            common.save_model(self.unwrap(model), tokenizer, path, state_dict=state)
+            checkpoints.save_model(self.unwrap(model), tokenizer, path, state_dict=state)
 
     def save_state(self, model, optimizer, path, state):
         # --save-steps: save_state writes the model, the optimizer, fp16's gradient scaler and each
         # process's random states, in place: into a staging folder that rank 0 swaps in, the suite's
         # state beside, once every process has written its part (save_state itself does not wait).
-        with common.staged_checkpoint(path, state, self.is_main, self.accelerator.wait_for_everyone) as staging:
+        with checkpoints.staged_checkpoint(path, state, self.is_main, self.accelerator.wait_for_everyone) as staging:
             self.accelerator.save_state(staging)
             self.accelerator.wait_for_everyone()
 
     def load_state(self, model, optimizer, path):
         # load_state only logs random states it cannot restore: the Trainer sets the suite's copy after.
         self.accelerator.load_state(path)
-        return torch.load(path / common.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        return torch.load(path / checkpoints.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
 
     def versions(self):
         return {"accelerate": accelerate.__version__}
@@ -102,24 +106,24 @@ def launcher_name():
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser)
-    common.add_precision_arg(parser, default=None,
-                             default_help="accelerate launch's --mixed_precision or config file, else fp32")
-    args = common.check_args(parser.parse_args())
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser)
+    cli.add_precision_arg(parser, default=None,
+                          default_help="accelerate launch's --mixed_precision or config file, else fp32")
+    args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
     # 1. Accelerate joins the launched processes on GPUs by itself, on CPUs only when told cpu=True:
     #    without GPUs, Accelerator() alone leaves each process on its own, training on all the data.
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    on_cpu = common.resolve_device(args.device, local_rank).type == "cpu"
+    on_cpu = machine.resolve_device(args.device, local_rank).type == "cpu"
     mixed_precision = {"fp32": "no"}.get(args.precision, args.precision)
     accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision, gradient_accumulation_steps=args.grad_accum,
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))])
     try:
         # 2. On CPU Accelerate accepts fp16 but silently trains in fp32: refuse rather than mislabel.
         precision = {"no": "fp32"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
-        common.check_precision(precision, accelerator.device)
+        machine.check_precision(precision, accelerator.device)
         strategy = Accelerate(accelerator, launcher_name(), precision)
         accelerator.print(f"accelerate: {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
                           f"mixed precision {accelerator.mixed_precision}")
@@ -135,7 +139,7 @@ def main():
             train_set, args, accelerator.num_processes, accelerator.process_index))
         dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(
             dev_set, args, accelerator.num_processes, accelerator.process_index))
-        optimizer = common.make_optimizer(model, lr, args.weight_decay)
+        optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
         # 4. One call does the rest of the DDP script's set-up: moves the model to this process's
         #    device and wraps it in DDP (and in autocast for mixed precision), and wraps the
@@ -150,4 +154,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

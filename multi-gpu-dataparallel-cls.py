@@ -15,7 +15,10 @@ import sys
 import torch
 from torch.nn import DataParallel
 
+import cli
 import common
+import machine
+import models
 
 
 class DataParallelStrategy(common.Strategy):
@@ -37,7 +40,7 @@ class DataParallelStrategy(common.Strategy):
 
 def choose_gpus(args):
     """The GPU indices to use: --gpu-ids, else all; none on a machine without GPUs."""
-    if common.resolve_device(args.device).type == "cpu":
+    if machine.resolve_device(args.device).type == "cpu":
         print("note: DataParallel needs GPUs and none is in use here: training as one process on the CPU",
               file=sys.stderr)
         return []
@@ -48,19 +51,19 @@ def choose_gpus(args):
         try:
             gpu_ids = [int(part) for part in args.gpu_ids.split(",")]
         except ValueError:
-            raise common.UserError(f"--gpu-ids takes GPU indices separated by commas, like 0,1; "
-                                   f"got {args.gpu_ids!r}") from None
+            raise cli.UserError(f"--gpu-ids takes GPU indices separated by commas, like 0,1; "
+                                f"got {args.gpu_ids!r}") from None
         if len(set(gpu_ids)) != len(gpu_ids) or not all(0 <= i < available for i in gpu_ids):
-            raise common.UserError(f"--gpu-ids {args.gpu_ids}: name each GPU once, from 0 to {available - 1} "
-                                   f"(this machine has {available})")
+            raise cli.UserError(f"--gpu-ids {args.gpu_ids}: name each GPU once, from 0 to {available - 1} "
+                                f"(this machine has {available})")
     print(f"DataParallel over GPUs {','.join(map(str, gpu_ids))}: {torch.cuda.get_device_name(gpu_ids[0])}")
     return gpu_ids
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
+    parser = cli.build_parser(__file__, __doc__)
     parser.add_argument("--gpu-ids", help="GPUs to use, comma-separated, e.g. 0,1; None = all")
-    args = common.check_args(parser.parse_args())
+    args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
     # 1. One process for all the GPUs: the first GPU named holds the model, receives every batch and
@@ -89,7 +92,7 @@ def main():
 
     train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))
     dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
-    optimizer = common.make_optimizer(model, lr, args.weight_decay)
+    optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
     # 4. --grad-accum N works as on one device: the gradients of N micro-batches add up on the first
     #    GPU, where DataParallel gathers them anyway, and the optimizer steps once.
@@ -98,4 +101,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -26,8 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import checkpoints
+import cli
 import common
 import deepspeed_setup
+import files
+import machine
 
 
 class DeepSpeed(common.TorchDistributed):
@@ -74,7 +78,7 @@ class DeepSpeed(common.TorchDistributed):
             # Rank 0 merges the shards into the same portable folder every other script writes.
             portable = type(model.module)(model.module.config)
             portable.load_state_dict(self.full_fp32_weights(model, shards / "final"))
-            common.save_model(portable, tokenizer, path)
+            checkpoints.save_model(portable, tokenizer, path)
             shutil.rmtree(shards, ignore_errors=True)
 
     def full_fp32_weights(self, model, shard_dir):
@@ -85,8 +89,8 @@ class DeepSpeed(common.TorchDistributed):
             return {name: tensor.float() for name, tensor in model.module.state_dict().items()}
         shard_files = glob.glob(str(shard_dir / "*optim_states.pt"))
         if len(shard_files) != self.world_size:
-            raise common.UserError(f"rank 0 sees {len(shard_files)} of {self.world_size} ZeRO shards in {shard_dir}: "
-                                   "--output-dir must be on a filesystem every machine shares")
+            raise cli.UserError(f"rank 0 sees {len(shard_files)} of {self.world_size} ZeRO shards in {shard_dir}: "
+                                "--output-dir must be on a filesystem every machine shares")
         # The optimizer shards hold the fp32 master weights; zero_to_fp32 stitches them together.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         return get_fp32_state_dict_from_zero_checkpoint(str(shard_dir.parent), tag=shard_dir.name)
@@ -98,7 +102,7 @@ class DeepSpeed(common.TorchDistributed):
         tag = Path(path) / f"step{state['step']}"
         if self.is_main:
             tag.mkdir(parents=True, exist_ok=True)
-            common.write_json(tag / common.MEANING_FILE, {"step": state["step"], **state["meaning"]})
+            files.write_json(tag / checkpoints.MEANING_FILE, {"step": state["step"], **state["meaning"]})
         self.engine.save_checkpoint(path, tag=tag.name, client_state=state)
         if self.is_main:
             for old in Path(path).glob("step*"):
@@ -109,7 +113,7 @@ class DeepSpeed(common.TorchDistributed):
         latest = Path(path) / "latest"
         if not latest.is_file():
             return None
-        meaning = Path(path) / latest.read_text(encoding="utf-8").strip() / common.MEANING_FILE
+        meaning = Path(path) / latest.read_text(encoding="utf-8").strip() / checkpoints.MEANING_FILE
         return json.loads(meaning.read_text(encoding="utf-8")) if meaning.is_file() else None
 
     def load_state(self, model, optimizer, path):
@@ -127,13 +131,13 @@ class DeepSpeed(common.TorchDistributed):
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser)
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser)
     deepspeed_setup.add_deepspeed_args(parser)  # --zero-stage, --offload, --precision, --deepspeed-config
     # 1. The deepspeed launcher passes --local_rank=N; it also sets LOCAL_RANK in the environment,
     #    which is what we read.
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
-    args = common.check_args(parser.parse_args())
+    args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
     if args.estimate_memory is not None:  # a table of what each ZeRO stage needs per GPU, then exit
         deepspeed_setup.estimate_memory(args)
@@ -141,9 +145,9 @@ def main():
 
     # 2. The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
-    rank, world_size, local_rank, local_world_size = common.launch_environment(
+    rank, world_size, local_rank, local_world_size = cli.launch_environment(
         "deepspeed --num_gpus N multi-gpu-deepspeed-cls.py")
-    device = common.resolve_device(args.device, local_rank)
+    device = machine.resolve_device(args.device, local_rank)
     deepspeed = deepspeed_setup.import_deepspeed(device)  # on the accelerator --device names
 
     # 3. One config drives the engine: the --deepspeed-config file, the flags on top. For
@@ -158,7 +162,7 @@ def main():
     #    init_distributed joins it through deepspeed.comm, the layer the engine communicates with.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    deepspeed.init_distributed(common.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
+    deepspeed.init_distributed(machine.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DeepSpeed(device, rank, world_size, local_world_size, precision, config)
 
@@ -190,4 +194,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

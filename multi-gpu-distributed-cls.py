@@ -20,7 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+import cli
 import common
+import machine
+import models
 
 
 class DDP(common.TorchDistributed):
@@ -39,25 +42,25 @@ class DDP(common.TorchDistributed):
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser, backend=True)
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser, backend=True)
     # 1. The legacy torch.distributed.launch passes --local-rank (older releases --local_rank);
     #    torchrun passes nothing. Both set LOCAL_RANK in the environment, which is what we read;
     #    the flag only tells the result file which launcher ran.
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
-    args = common.check_args(parser.parse_args())
+    args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
     # 2. The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
-    rank, world_size, local_rank, local_world_size = common.launch_environment(
+    rank, world_size, local_rank, local_world_size = cli.launch_environment(
         "torchrun --nproc_per_node N multi-gpu-distributed-cls.py")
-    device = common.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
+    device = machine.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
 
     # 3. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(common.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
+    dist.init_process_group(machine.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DDP(device, rank, world_size, local_world_size=local_world_size)
         if args.local_rank is not None:
@@ -74,7 +77,7 @@ def main():
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
         dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
-        optimizer = common.make_optimizer(model, lr, args.weight_decay)
+        optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
@@ -84,4 +87,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -21,7 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+import cli
 import common
+import machine
+import models
 import spawn_setup
 # The 16-bit type autocast computes in, for each --precision choice.
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
@@ -74,13 +77,13 @@ class DDPWithAMP(common.TorchDistributed):
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser, backend=True)
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser, backend=True)
     # 1. The options torchrun took (--nprocs, --nnodes, --node-rank, --master-addr, --master-port), now
     #    the script's own, and torchrun's checks: a free port unless one is named, a rank per machine.
     spawn_setup.add_launch_args(parser)
-    common.add_precision_arg(parser, default=None, default_help="fp16 on GPUs, bf16 on CPU")
-    args = common.check_args(parser.parse_args())
+    cli.add_precision_arg(parser, default=None, default_help="fp16 on GPUs, bf16 on CPU")
+    args = cli.check_args(parser.parse_args())
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     spawn_setup.check_launch(args, gpus)
 
@@ -90,7 +93,7 @@ def main():
     if args.precision is None:
         args.precision = "fp16" if gpus else "bf16"
     for local_rank in range(args.nprocs):
-        common.check_precision(args.precision, common.resolve_device(args.device, local_rank, args.backend == "gloo"))
+        machine.check_precision(args.precision, machine.resolve_device(args.device, local_rank, args.backend == "gloo"))
 
     # 2. Start the processes and wait for them. spawn (not fork) gives each a fresh interpreter, as
     #    CUDA requires. If one fails, the others are stopped, as torchrun would; the same on Ctrl-C.
@@ -107,18 +110,18 @@ def worker(local_rank, args, first_failure):
     rank = args.node_rank * args.nprocs + local_rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nnodes * args.nprocs),
                       MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
-    common.run(lambda: train(args, rank, local_rank, first_failure))
+    cli.run(lambda: train(args, rank, local_rank, first_failure))
 
 
 def train(args, rank, local_rank, first_failure):
     common.set_seed(args.seed)
     world_size = args.nnodes * args.nprocs
-    device = common.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
+    device = machine.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
 
     # 4. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(common.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
+    dist.init_process_group(machine.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DDPWithAMP(device, rank, world_size, local_world_size=args.nprocs, precision=args.precision)
 
@@ -133,7 +136,7 @@ def train(args, rank, local_rank, first_failure):
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
         dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
-        optimizer = common.make_optimizer(model, lr, args.weight_decay)
+        optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
@@ -150,4 +153,4 @@ def train(args, rank, local_rank, first_failure):
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

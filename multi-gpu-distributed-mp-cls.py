@@ -20,7 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+import cli
 import common
+import machine
+import models
 import spawn_setup
 
 
@@ -40,12 +43,12 @@ class DDP(common.TorchDistributed):
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser, backend=True)
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser, backend=True)
     # 1. The options torchrun took (--nprocs, --nnodes, --node-rank, --master-addr, --master-port), now
     #    the script's own, and torchrun's checks: a free port unless one is named, a rank per machine.
     spawn_setup.add_launch_args(parser)
-    args = common.check_args(parser.parse_args())
+    args = cli.check_args(parser.parse_args())
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     spawn_setup.check_launch(args, gpus)
 
@@ -64,18 +67,18 @@ def worker(local_rank, args, first_failure):
     rank = args.node_rank * args.nprocs + local_rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nnodes * args.nprocs),
                       MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
-    common.run(lambda: train(args, rank, local_rank, first_failure))
+    cli.run(lambda: train(args, rank, local_rank, first_failure))
 
 
 def train(args, rank, local_rank, first_failure):
     common.set_seed(args.seed)
     world_size = args.nnodes * args.nprocs
-    device = common.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
+    device = machine.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
 
     # 4. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(common.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
+    dist.init_process_group(machine.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DDP(device, rank, world_size, local_world_size=args.nprocs)
 
@@ -90,7 +93,7 @@ def train(args, rank, local_rank, first_failure):
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
         dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
-        optimizer = common.make_optimizer(model, lr, args.weight_decay)
+        optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
@@ -107,4 +110,4 @@ def train(args, rank, local_rank, first_failure):
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

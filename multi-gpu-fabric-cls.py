@@ -21,8 +21,10 @@ processes over gloo.
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
+import cli
 import common
 import fabric_setup
+import models
 
 
 class FabricStrategy(fabric_setup.FabricStrategyBase):
@@ -59,10 +61,10 @@ class FabricStrategy(fabric_setup.FabricStrategyBase):
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser)
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser)
     fabric_setup.add_fabric_args(parser)
-    args = common.check_args(parser.parse_args())
+    args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
     # 1. What the launcher asked for, checked before anything starts: a precision or a strategy this
@@ -95,11 +97,11 @@ def main():
         #    after the wrapping, so that under FSDP2 it holds the shards; DeepSpeed builds its engine
         #    from both at once.
         if args.fabric_strategy == "deepspeed":
-            model, optimizer = fabric.setup(model, common.make_optimizer(model, lr, args.weight_decay))
+            model, optimizer = fabric.setup(model, models.make_optimizer(model, lr, args.weight_decay))
             strategy.engine = fabric.strategy.model
         else:
             model = fabric.setup_module(model)
-            optimizer = fabric.setup_optimizers(common.make_optimizer(model, lr, args.weight_decay))
+            optimizer = fabric.setup_optimizers(models.make_optimizer(model, lr, args.weight_decay))
 
         # 5. Each process reads a different 1/world_size of every global batch, by the suite's own
         #    samplers, as in the DDP script. Left to itself (use_distributed_sampler=True) Fabric
@@ -124,4 +126,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

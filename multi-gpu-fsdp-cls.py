@@ -28,7 +28,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+import checkpoints
+import cli
 import common
+import machine
+import models
 
 # The 16-bit type the sharded weights are gathered in for computing, for each --precision choice.
 PARAM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
@@ -65,13 +69,13 @@ class FSDP2(common.TorchDistributed):
         # rank 0 alone receives the full state dict, in CPU memory (collective: all must call it).
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:
-            common.save_model(model, tokenizer, path, state_dict=state)
+            checkpoints.save_model(model, tokenizer, path, state_dict=state)
 
     def save_state(self, model, optimizer, path, state):
         # --save-steps: every process writes its own shards with torch.distributed.checkpoint (no
         # gather of the whole model). It writes in place, so into a staging folder that rank 0 swaps
         # in once every shard is there (dcp.save returns once all of them and the index are written).
-        with common.staged_checkpoint(path, state, self.is_main, dist.barrier) as staging:
+        with checkpoints.staged_checkpoint(path, state, self.is_main, dist.barrier) as staging:
             model_state, optimizer_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
 
@@ -80,7 +84,7 @@ class FSDP2(common.TorchDistributed):
         shards = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(shards, checkpoint_id=path)  # each process reads its own shards, in place
         set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
-        return torch.load(path / common.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        return torch.load(path / checkpoints.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
 
     def extra_state(self):
         return {"scaler": self.scaler.state_dict()}
@@ -94,7 +98,7 @@ class FSDP2(common.TorchDistributed):
 
 
 def add_fsdp_args(parser):
-    common.add_precision_arg(parser)
+    cli.add_precision_arg(parser)
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                         help="free each layer's gathered weights after its forward and gather them again for "
                              "backward (least memory, like ZeRO-3); --no-... keeps them (one all-gather fewer)")
@@ -108,24 +112,24 @@ def group_backend(device, offload):
     the mesh), which NCCL cannot carry: gloo carries those, NCCL the GPU ones."""
     if offload and device.type == "cuda":
         return "cpu:gloo,cuda:nccl"
-    return common.backend_for(device)
+    return machine.backend_for(device)
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser)
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser)
     add_fsdp_args(parser)
-    args = common.check_args(parser.parse_args())
+    args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
     # 1. The global rank decides who prints and saves; the local rank decides which GPU this
     #    process uses.
-    rank, world_size, local_rank, local_world_size = common.launch_environment(
+    rank, world_size, local_rank, local_world_size = cli.launch_environment(
         "torchrun --nproc_per_node N multi-gpu-fsdp-cls.py")
-    device = common.resolve_device(args.device, local_rank)
-    common.check_precision(args.precision, device)
+    device = machine.resolve_device(args.device, local_rank)
+    machine.check_precision(args.precision, device)
     if args.offload and device.type == "cpu":
-        raise common.UserError("--offload moves the shards from GPU to CPU memory: on CPU they are there already")
+        raise cli.UserError("--offload moves the shards from GPU to CPU memory: on CPU they are there already")
 
     # 2. Pin the GPU before joining the group. The device mesh is the group FSDP shards over: here
     #    all processes, in one dimension (a 2-D mesh would add replication across machines, HSDP).
@@ -163,7 +167,7 @@ def main():
 
         # 6. The optimizer after sharding: it must hold the shards (DTensors), so that each process
         #    keeps and steps the Adam moments of its own 1/N only.
-        optimizer = common.make_optimizer(model, lr, args.weight_decay)
+        optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
         # 7. backward() reduce-scatters each layer's gradients as soon as they are computed,
         #    averaged over the processes, overlapping the communication with the layers below.
@@ -175,4 +179,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

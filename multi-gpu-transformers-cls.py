@@ -44,14 +44,18 @@ import os
 import torch.distributed as dist
 from transformers import TrainingArguments
 
+import checkpoints
+import cli
 import common
+import machine
+import results
 import transformers_setup
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    common.add_distributed_args(parser)
-    common.add_precision_arg(parser)
+    parser = cli.build_parser(__file__, __doc__)
+    cli.add_distributed_args(parser)
+    cli.add_precision_arg(parser)
     parser.add_argument("--deepspeed", metavar="JSON",
                         help="train with DeepSpeed through TrainingArguments(deepspeed=...), e.g. "
                              "configs/deepspeed/zero2.json (batch sizes, clipping and precision come from the "
@@ -60,16 +64,16 @@ def main():
                         help="train with FSDP2 through TrainingArguments(fsdp=True) (GPUs only)")
     # The legacy torch.distributed.launch and the deepspeed launcher pass --local_rank; LOCAL_RANK is read.
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
-    args = common.check_args(parser.parse_args())
+    args = cli.check_args(parser.parse_args())
     transformers_setup.refuse_what_the_trainer_cannot_do(args)
 
     # 1. One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads
     #    the same RANK / WORLD_SIZE / LOCAL_RANK variables the DDP script reads.
-    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or common.started_by_srun()
+    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or cli.started_by_srun()
     rank, world_size, local_rank, local_world_size = (
-        common.launch_environment(f"torchrun --nproc_per_node N {transformers_setup.SCRIPT}") if launched
+        cli.launch_environment(f"torchrun --nproc_per_node N {transformers_setup.SCRIPT}") if launched
         else (0, 1, 0, 1))
-    device = common.resolve_device(args.device, local_rank)
+    device = machine.resolve_device(args.device, local_rank)
     deepspeed_config = transformers_setup.read_deepspeed_config(args.deepspeed) if args.deepspeed else None
     transformers_setup.refuse_what_this_machine_cannot_do(args, device, launched, deepspeed_config)
     transformers_setup.name_deepspeed_accelerator(device)
@@ -116,7 +120,7 @@ def main():
         # The suite's own Trainer, used only for what every script reports the same way: the thread
         # policy, result.json and the printed lines.
         suite = common.Trainer(args, strategy, model, None, tokenizer, train_loader, dev_loader, model_name, lr)
-        suite.log_start()
+        results.announce(suite)
         training_args.max_steps = suite.total_steps() if args.max_steps else -1  # --max-steps (-1: the epochs decide)
 
         # 5. The Trainer does what the DDP script writes by hand or takes from common.Trainer: moves
@@ -136,14 +140,13 @@ def main():
         metrics["loss"] = metrics["dev_loss"]  # its own eval_loss averages batch means, repeats included
 
         # 7. The whole weights (gathered by every process from DeepSpeed ZeRO-3 or FSDP shards), written
-        #    by rank 0 with common.save_model: safetensors, config and tokenizer, swapped in whole.
+        #    by rank 0 with checkpoints.save_model: safetensors, config and tokenizer, swapped in whole.
         #    Trainer.save_model would write in place, and add training_args.bin (a pickle).
         state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
         if strategy.is_main:
-            common.save_model(trainer.accelerator.unwrap_model(trainer.model), tokenizer, suite.output_dir / "model",
-                              state_dict=state_dict)
-        measured = trainer.measurements
-        suite.write_result(progress, metrics, 0, measured.model_state, measured.allreduces)  # 0: no --resume here
+            checkpoints.save_model(trainer.accelerator.unwrap_model(trainer.model), tokenizer,
+                                   suite.output_dir / "model", state_dict=state_dict)
+        suite.write_result(progress, metrics, 0)  # 0: no --resume here; the measurements: suite.callbacks
     finally:
         # 8. Leave the process group on every exit path, failures included (what trainer.end() does).
         if dist.is_initialized():
@@ -151,4 +154,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -11,18 +11,19 @@ from pathlib import Path
 import torch
 import transformers
 
+import cli
 import common
 
 
 def load_checkpoint(path):
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise common.UserError(f"no saved model at {path} (expected the model/ folder a training run writes)")
+        raise cli.UserError(f"no saved model at {path} (expected the model/ folder a training run writes)")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(path)
     except (OSError, ValueError) as error:
-        raise common.UserError(f"could not load the model at {path}: {error}") from None
+        raise cli.UserError(f"could not load the model at {path}: {error}") from None
     return tokenizer, model.eval()
 
 
@@ -30,14 +31,14 @@ def read_texts(args):
     texts = list(args.texts)
     for number, text in enumerate(texts, 1):
         if not text.strip():
-            raise common.UserError(f"text {number} of the arguments is empty: nothing to classify")
+            raise cli.UserError(f"text {number} of the arguments is empty: nothing to classify")
     if args.file:
         path = Path(args.file)
         if not path.is_file():
-            raise common.UserError(f"text file not found: {path}")
+            raise cli.UserError(f"text file not found: {path}")
         texts += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not texts:
-        raise common.UserError("no text to classify: give texts as arguments or --file")
+        raise cli.UserError("no text to classify: give texts as arguments or --file")
     return texts
 
 
@@ -71,4 +72,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -4,17 +4,20 @@
     python single-gpu-cls.py --model tiny    # the offline tiny BERT, a minute on a laptop CPU
 
 Every other script in this suite is this one plus its strategy's steps: compare them with
-`diff single-gpu-cls.py multi-gpu-distributed-cls.py`. Shared code lives in common.py.
+`diff single-gpu-cls.py multi-gpu-distributed-cls.py`. Shared code: common.py, and the modules of docs/architecture.md.
 """
+import cli
 import common
+import machine
+import models
 
 
 def main():
-    args = common.check_args(common.build_parser(__file__, __doc__).parse_args())
+    args = cli.check_args(cli.build_parser(__file__, __doc__).parse_args())
     common.set_seed(args.seed)
 
     # 1. One process on one device: no ranks, nothing to synchronise.
-    device = common.resolve_device(args.device)
+    device = machine.resolve_device(args.device)
     strategy = common.Strategy(device)
 
     train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
@@ -22,7 +25,7 @@ def main():
 
     train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))
     dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
-    optimizer = common.make_optimizer(model, lr, args.weight_decay)
+    optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
     # 2. With --grad-accum N the Trainer runs N micro-batches through forward and backward, whose
     #    gradients add up in each parameter's .grad, then steps once: a batch N times larger than
@@ -32,4 +35,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -1,9 +1,11 @@
 """The helpers of the spawn scripts (multi-gpu-distributed-mp-cls.py and its AMP variant) that are not
 the lesson: torchrun's options and checks, a free rendezvous port, and stopping the processes as
 torchrun would. free_port also serves benchmark.py and the tests, which import this module without
-torch: torch and common are imported where they are used."""
+torch: torch is imported where it is used."""
 import socket
 import time
+
+import cli
 
 # Seconds the processes get to stop on their own (after a failure or a SIGTERM) before they are killed.
 SHUTDOWN_GRACE_SECONDS = 10
@@ -20,25 +22,24 @@ def add_launch_args(parser):
 
 def check_launch(args, gpus):
     """Fill in the defaults that depend on the machine (its `gpus`) and refuse launches that cannot meet."""
-    import common
     if args.nprocs is None:
         args.nprocs = gpus or 2
     if args.nprocs < 1 or args.nnodes < 1:
-        raise common.UserError("--nprocs and --nnodes must be at least 1")
+        raise cli.UserError("--nprocs and --nnodes must be at least 1")
     if gpus and args.nprocs > gpus and args.backend != "gloo":
-        raise common.UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
-                               "--backend gloo lets them share the GPUs")
+        raise cli.UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
+                            "--backend gloo lets them share the GPUs")
     if not 0 <= args.node_rank < args.nnodes:
-        raise common.UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
+        raise cli.UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
     if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
-        raise common.UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
-                               "of the --node-rank 0 machine) and --master-port")
+        raise cli.UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
+                            "of the --node-rank 0 machine) and --master-port")
     args.master_addr = args.master_addr or "127.0.0.1"
     if args.master_port is None:
         args.master_port = free_port()
     elif args.node_rank == 0 and not port_is_free(args.master_port):
-        raise common.UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
-                               "or leave it out to get a free one")
+        raise cli.UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
+                            "or leave it out to get a free one")
 
 
 def free_port():

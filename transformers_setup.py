@@ -11,53 +11,57 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import PartialState
-from sklearn.metrics import accuracy_score, classification_report, f1_score
 from transformers import ProgressCallback, Trainer, TrainerCallback
 
+import cli
 import common
+import files
+import machine
 import measure
+import models
+import results
 
 SCRIPT = "multi-gpu-transformers-cls.py"
 
 
 def refuse_what_the_trainer_cannot_do(args):
     if args.resume or args.save_steps:
-        raise common.UserError(f"--resume and --save-steps are not available in {SCRIPT}: the Trainer's own "
-                               "checkpoints lack the suite's meaning checks and sampler position (see its docstring)")
+        raise cli.UserError(f"--resume and --save-steps are not available in {SCRIPT}: the Trainer's own "
+                            "checkpoints lack the suite's meaning checks and sampler position (see its docstring)")
     if args.profile:
-        raise common.UserError(f"--profile is not available in {SCRIPT}: its phases wrap common.Trainer's loop, "
-                               "which transformers.Trainer replaces here")
+        raise cli.UserError(f"--profile is not available in {SCRIPT}: its phases wrap common.Trainer's loop, "
+                            "which transformers.Trainer replaces here")
     if args.deepspeed and args.fsdp:
-        raise common.UserError("--deepspeed and --fsdp exclude each other: pick one")
+        raise cli.UserError("--deepspeed and --fsdp exclude each other: pick one")
 
 
 def refuse_what_this_machine_cannot_do(args, device, launched, deepspeed_config):
-    common.check_precision(args.precision, device)
+    machine.check_precision(args.precision, device)
     if device.type == "cuda" and not launched and torch.cuda.device_count() > 1:
-        raise common.UserError(f"python {SCRIPT} on a machine with {torch.cuda.device_count()} GPUs: the Trainer "
-                               "would run DataParallel over all of them; use torchrun --nproc_per_node N, or "
-                               "CUDA_VISIBLE_DEVICES=0 for one GPU")
+        raise cli.UserError(f"python {SCRIPT} on a machine with {torch.cuda.device_count()} GPUs: the Trainer "
+                            "would run DataParallel over all of them; use torchrun --nproc_per_node N, or "
+                            "CUDA_VISIBLE_DEVICES=0 for one GPU")
     if args.fsdp and device.type == "cpu":
-        raise common.UserError("--fsdp needs GPUs: with CPU processes Accelerate drops the Trainer's FSDP plugin and "
-                               "trains plain DDP instead; multi-gpu-fsdp-cls.py runs FSDP2 on CPUs")
+        raise cli.UserError("--fsdp needs GPUs: with CPU processes Accelerate drops the Trainer's FSDP plugin and "
+                            "trains plain DDP instead; multi-gpu-fsdp-cls.py runs FSDP2 on CPUs")
     if deepspeed_config is not None and not launched:
-        raise common.UserError(f"--deepspeed runs under a launcher: deepspeed --num_gpus N {SCRIPT} or torchrun")
+        raise cli.UserError(f"--deepspeed runs under a launcher: deepspeed --num_gpus N {SCRIPT} or torchrun")
     if deepspeed_config is not None and device.type == "cpu" and torch.cuda.is_available():
-        raise common.UserError("--deepspeed with --device cpu on a GPU machine: Accelerate would still put each "
-                               "process on a GPU; hide the GPUs instead: CUDA_VISIBLE_DEVICES=")
+        raise cli.UserError("--deepspeed with --device cpu on a GPU machine: Accelerate would still put each "
+                            "process on a GPU; hide the GPUs instead: CUDA_VISIBLE_DEVICES=")
 
 
 def read_deepspeed_config(path):
     """The DeepSpeed config file with what the suite decides left to the Trainer: "auto" makes
     TrainingArguments fill batch sizes, clipping and precision from the command line."""
-    config = common.read_json_object(path, "DeepSpeed config")
+    config = files.read_json_object(path, "DeepSpeed config")
     if "optimizer" in config or "scheduler" in config:
-        raise common.UserError(f"{path}: remove its optimizer/scheduler section: the suite builds AdamW from --lr "
-                               "and --weight-decay, with a constant learning rate")
+        raise cli.UserError(f"{path}: remove its optimizer/scheduler section: the suite builds AdamW from --lr "
+                            "and --weight-decay, with a constant learning rate")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                 "gradient_clipping"):
         if config.get(key, "auto") != "auto":
-            raise common.UserError(f"{path} sets {key}: leave it out (the command line sets it)")
+            raise cli.UserError(f"{path} sets {key}: leave it out (the command line sets it)")
         config[key] = "auto"
     for precision in ("fp16", "bf16"):
         config[precision] = {**config.get(precision, {}), "enabled": "auto"}
@@ -152,8 +156,8 @@ def suite_strategy(args, training_args, device, launched, rank, world_size, loca
     """The suite's Strategy, once TrainingArguments has joined the processes: which launcher started
     them, and DeepSpeed's config with its "auto" values filled in."""
     if training_args.world_size != world_size:
-        raise common.UserError(f"the launcher started {world_size} process(es) but the Trainer sees "
-                               f"{training_args.world_size}")
+        raise cli.UserError(f"the launcher started {world_size} process(es) but the Trainer sees "
+                            f"{training_args.world_size}")
     launcher = "torchrun" if launched else "python"
     if args.local_rank is not None:
         launcher = "deepspeed" if args.deepspeed else "torch.distributed.launch"
@@ -197,7 +201,7 @@ class SuiteTrainer(Trainer):
         # Trainer(optimizers=...): FSDP refuses a ready optimizer, and DeepSpeed discards it and
         # calls this method (integrations/deepspeed.py, deepspeed_optim_sched).
         if self.optimizer is None:
-            self.optimizer = self.torch_optimizer = common.make_optimizer(model or self.model, self.suite.lr,
+            self.optimizer = self.torch_optimizer = models.make_optimizer(model or self.model, self.suite.lr,
                                                                           self.suite.args.weight_decay)
         return self.optimizer
 
@@ -226,7 +230,7 @@ class SuiteTrainer(Trainer):
 
 
 def dev_metrics(prediction, dev_size):
-    """compute_metrics: scikit-learn's metrics over every dev sample once.
+    """compute_metrics: the suite's dev metrics (results.dev_metrics) over every dev sample once.
 
     `prediction.predictions` holds every process's logits, dataset indices and weights, gathered by
     the Trainer batch by batch. Its gather_for_metrics drops the repeats only of loaders Accelerate
@@ -239,13 +243,9 @@ def dev_metrics(prediction, dev_size):
     if not np.array_equal(indices, np.arange(dev_size)):
         raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {dev_size} dev samples in "
                            f"{len(indices)} predictions")
-    predictions = logits.argmax(axis=-1)
-    labels_range = range(len(common.LABELS))
-    return {"samples": len(indices), "dev_loss": float(losses.mean()),
-            "accuracy": float(accuracy_score(labels, predictions)),
-            "macro_f1": float(f1_score(labels, predictions, average="macro", labels=labels_range, zero_division=0)),
-            "report": classification_report(labels, predictions, labels=labels_range, target_names=common.LABELS,
-                                            digits=4, zero_division=0)}
+    metrics = results.dev_metrics(logits.argmax(axis=-1), labels, losses, common.LABELS)
+    metrics["dev_loss"] = metrics.pop("loss")  # the Trainer writes its own eval_loss over this one
+    return metrics
 
 
 class SuiteEpochs(TrainerCallback):
@@ -301,10 +301,10 @@ class Measurements(TrainerCallback):
     def __init__(self, trainer, strategy, train_loader):
         self.trainer, self.strategy = trainer, strategy
         self.global_batch_sizes = train_loader.batch_sampler.global_batch_sizes()
-        self.fail_rank, self.fail_step = measure.parse_fail_at(os.environ.get(measure.FAIL_AT_ENV))
+        self.test_hooks = measure.load_test_hooks()  # SUITE_FAIL_AT, SUITE_COUNT_ALLREDUCES: tests/hooks.py
         self.tokens = torch.zeros(2, dtype=torch.float64)
         self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
-        self.model_state = self.allreduces = None
+        self.model_state = None
         self.start = None
 
     def count_tokens(self, batch):
@@ -327,9 +327,11 @@ class Measurements(TrainerCallback):
                     self.model_state.count()
                 return engine_step(*step_args, **step_kwargs)
             engine.step = count_then_step
-        self.allreduces = measure.gradient_allreduce_count(self.trainer.model_wrapped)
-        common.reset_peak_memory(self.strategy.device)
-        common.synchronize(self.strategy.device)
+        allreduces = self.test_hooks and self.test_hooks.gradient_allreduce_count(self.trainer.model_wrapped)
+        # What common.Trainer.write_result asks for each measurement's result.json fields (on_result).
+        self.trainer.suite.callbacks = [self.model_state] + ([allreduces] if allreduces else [])
+        machine.reset_peak_memory(self.strategy.device)
+        machine.synchronize(self.strategy.device)
         self.start = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -338,8 +340,8 @@ class Measurements(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
-        if state.global_step == self.fail_step and self.strategy.rank == self.fail_rank:
-            raise RuntimeError(f"failure injected by {measure.FAIL_AT_ENV} at step {state.global_step}")
+        if self.test_hooks:
+            self.test_hooks.fail_if_asked(self.strategy.rank, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in logs:
@@ -351,7 +353,7 @@ class Measurements(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if state.global_step == state.max_steps:
-            common.synchronize(self.strategy.device)
+            machine.synchronize(self.strategy.device)
             self.seconds = time.perf_counter() - self.start - self.paused
 
     def progress(self):

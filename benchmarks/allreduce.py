@@ -27,7 +27,11 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli  # noqa: E402
 import common  # noqa: E402
+import files  # noqa: E402
+import machine  # noqa: E402
+import models  # noqa: E402
 
 LAUNCH = "torchrun --standalone --nproc_per_node 2 benchmarks/allreduce.py"
 UNITS = {"": 1, "K": 2**10, "M": 2**20}
@@ -40,11 +44,11 @@ def parse_sizes(text):
     for item in text.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*([KkMm]?)\s*", item)
         if not match:
-            raise common.UserError(f"--sizes: {item.strip()!r} is not a size in bytes like 4096, 4K or 64M")
+            raise cli.UserError(f"--sizes: {item.strip()!r} is not a size in bytes like 4096, 4K or 64M")
         size = int(match[1]) * UNITS[match[2].upper()]
         if size == 0 or size % FP32_BYTES:
-            raise common.UserError(f"--sizes: {item.strip()} is not a positive multiple of {FP32_BYTES} bytes "
-                                   "(whole fp32 elements)")
+            raise cli.UserError(f"--sizes: {item.strip()} is not a positive multiple of {FP32_BYTES} bytes "
+                                "(whole fp32 elements)")
         sizes.add(size)
     return sorted(sizes)
 
@@ -53,8 +57,8 @@ def pick_device(choice, local_rank, local_world_size):
     """This local rank's GPU when every process on the machine has one (or --device cuda), else the CPU."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if choice == "cuda" and gpus < local_world_size:
-        raise common.UserError(f"--device cuda needs a GPU per process: {local_world_size} process(es) on this "
-                               f"machine, {gpus} GPU(s) visible")
+        raise cli.UserError(f"--device cuda needs a GPU per process: {local_world_size} process(es) on this "
+                            f"machine, {gpus} GPU(s) visible")
     if choice == "cuda" or (choice == "auto" and gpus >= local_world_size):
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -67,21 +71,21 @@ def gradient_elements(name, args):
         records = common.load_records(args.data)
         train_records, _ = common.split_records(records, args.max_samples, args.dev_ratio, args.seed)
     elif name == "base-shape":
-        config = transformers.BertConfig(**common.base_shape_config(), num_labels=len(common.LABELS))
+        config = transformers.BertConfig(**models.base_shape_config(), num_labels=len(common.LABELS))
     else:
         # The test load_pretrained makes: anything else would go to the hub and retry for half a minute.
         if not Path(name).is_dir() and (name.startswith((".", "/")) or name.count("/") != 1):
-            raise common.UserError(f"model not found: {name} is neither a folder nor a hub id like "
-                                   f"{common.HUB_MODEL_ID}")
+            raise cli.UserError(f"model not found: {name} is neither a folder nor a hub id like "
+                                f"{models.HUB_MODEL_ID}")
         try:
             config = transformers.AutoConfig.from_pretrained(name, num_labels=len(common.LABELS))
         except (OSError, ValueError) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise common.UserError(f"could not read the config of model {name}: {first_line}") from None
+            raise cli.UserError(f"could not read the config of model {name}: {first_line}") from None
     # On the meta device: shapes only, no weights read or initialised.
     with torch.device("meta"):
         if name == "tiny":
-            _, model = common.build_tiny_model([text for text, _ in train_records], args.seed,
+            _, model = models.build_tiny_model([text for text, _ in train_records], args.seed,
                                                {"num_labels": len(common.LABELS)})
         else:
             model = transformers.AutoModelForSequenceClassification.from_config(config)
@@ -96,11 +100,11 @@ def time_allreduce(elements, device, iters, warmup):
         dist.all_reduce(tensor)
     # Start together, so that no process times its wait for the last one to arrive.
     dist.barrier()
-    common.synchronize(device)
+    machine.synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(tensor)
-    common.synchronize(device)  # NCCL calls only enqueue work on the GPU
+    machine.synchronize(device)  # NCCL calls only enqueue work on the GPU
     seconds = torch.tensor((time.perf_counter() - start) / iters, dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item()
@@ -121,11 +125,11 @@ def print_table(rows, model_name):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
     parser.add_argument("--model", default="auto",
                         help="whose gradient size to time: 'auto' (as the training scripts resolve it), 'tiny', "
                              "'base-shape', a folder or a hub id")
-    parser.add_argument("--data", default=str(common.ROOT / "data" / "train.json"),
+    parser.add_argument("--data", default=str(cli.ROOT / "data" / "train.json"),
                         help="the tiny model's vocabulary comes from this data's training split")
     parser.add_argument("--max-samples", type=int, default=10000, help="as the training scripts' option")
     parser.add_argument("--dev-ratio", type=float, default=0.08, help="as the training scripts' option")
@@ -137,29 +141,29 @@ def main():
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: the GPUs when this machine has one for each of its processes, else the CPU")
     parser.add_argument("--json", metavar="PATH", help="also write the results here (rank 0)")
-    common.add_distributed_args(parser)
+    cli.add_distributed_args(parser)
     args = parser.parse_args()
     sizes = parse_sizes(args.sizes)
     if args.max_samples < 2 or not 0 < args.dev_ratio < 1:
-        raise common.UserError(f"--max-samples must be at least 2 and --dev-ratio between 0 and 1, got "
-                               f"{args.max_samples} and {args.dev_ratio:g}")
+        raise cli.UserError(f"--max-samples must be at least 2 and --dev-ratio between 0 and 1, got "
+                            f"{args.max_samples} and {args.dev_ratio:g}")
     if args.iters < 1:
-        raise common.UserError(f"--iters must be at least 1, got {args.iters}")
+        raise cli.UserError(f"--iters must be at least 1, got {args.iters}")
     if args.warmup < 0:
-        raise common.UserError(f"--warmup must be 0 or more, got {args.warmup}")
+        raise cli.UserError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.json and Path(args.json).is_dir():
-        raise common.UserError(f"--json {args.json} is a folder, not a file")
+        raise cli.UserError(f"--json {args.json} is a folder, not a file")
 
-    rank, world_size, local_rank, local_world_size = common.launch_environment(LAUNCH)
+    rank, world_size, local_rank, local_world_size = cli.launch_environment(LAUNCH)
     device = pick_device(args.device, local_rank, local_world_size)
     # Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = common.backend_for(device)
+    backend = machine.backend_for(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.dist_timeout))
     try:
         # Rank 0 resolves 'auto' for all: processes that probe the hub each on their own may disagree.
-        names = [common.resolve_model(args.model) if rank == 0 else None]
+        names = [models.resolve_model(args.model) if rank == 0 else None]
         dist.broadcast_object_list(names, src=0)
         model_name = names[0]
         elements = gradient_elements(model_name, args)
@@ -171,7 +175,7 @@ def main():
         if rank == 0:
             model_row = next(r for r in rows if r["model_gradients"])
             print(f"all_reduce SUM fp32 | backend {backend} | world size {world_size} | "
-                  f"device {common.device_description(device)} | torch {torch.__version__} | "
+                  f"device {machine.device_description(device)} | torch {torch.__version__} | "
                   f"{args.iters} timed after {args.warmup} warm-up calls per size")
             print_table(rows, model_name)
             print(f"A DDP step of {model_name} all-reduces its {elements:,} gradients ({model_bytes / 1e6:.2f} MB "
@@ -179,9 +183,9 @@ def main():
                   f"{model_row['time_ms']:.3f} ms, the marked row, is the lower bound of its communication per "
                   f"step on this machine.")
             if args.json:
-                common.write_json(args.json, {
+                files.write_json(args.json, {
                     "operation": "all_reduce", "op": "sum", "dtype": "float32", "backend": backend,
-                    "world_size": world_size, "device": common.device_description(device),
+                    "world_size": world_size, "device": machine.device_description(device),
                     "torch": torch.__version__, "iters": args.iters, "warmup": args.warmup,
                     "model": model_name, "model_parameters": elements, "bandwidth_unit": "GB/s (1e9 bytes/s)",
                     "rows": rows})
@@ -191,4 +195,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -18,7 +18,10 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli  # noqa: E402
 import common  # noqa: E402
+import machine  # noqa: E402
+import models  # noqa: E402
 
 
 class TokenizeEveryBatch:
@@ -37,10 +40,10 @@ class TokenizeEveryBatch:
 
 def train_one_epoch(model, loader, device, lr, weight_decay):
     """Returns (seconds, padded tokens per sample). Same loop as common.Trainer, minus the logging."""
-    optimizer = common.make_optimizer(model, lr, weight_decay)
+    optimizer = models.make_optimizer(model, lr, weight_decay)
     model.train()
     tokens = samples = 0
-    common.synchronize(device)
+    machine.synchronize(device)
     start = time.perf_counter()
     for batch in loader:
         input_ids = batch["input_ids"].to(device)
@@ -51,7 +54,7 @@ def train_one_epoch(model, loader, device, lr, weight_decay):
         optimizer.zero_grad(set_to_none=True)
         tokens += input_ids.numel()
         samples += len(input_ids)
-    common.synchronize(device)
+    machine.synchronize(device)
     return time.perf_counter() - start, tokens / samples
 
 
@@ -67,19 +70,19 @@ def dev_accuracy(model, dev_set, tokenizer, device, args):
 
 
 def main():
-    parser = common.build_parser(__file__, __doc__)
-    args = common.check_args(parser.parse_args())
-    device = common.resolve_device(args.device)
+    parser = cli.build_parser(__file__, __doc__)
+    args = cli.check_args(parser.parse_args())
+    device = machine.resolve_device(args.device)
     records = common.load_records(args.data)
     train_records, dev_records = common.split_records(records, args.max_samples, args.dev_ratio, args.seed)
 
     results = {}
-    model_name = common.resolve_model(args.model)
+    model_name = models.resolve_model(args.model)
     for name in ("reference", "ours", "ours+group"):
         common.set_seed(args.seed)
         args.group_by_length = name == "ours+group"
-        tokenizer, model, model_name, lr = common.load_model(args, [text for text, _ in train_records],
-                                                             model_name)
+        tokenizer, model, model_name, lr = models.load_model(args, [text for text, _ in train_records],
+                                                             model_name, common.LABELS)
         model.to(device)
         dev_set = common.EncodedDataset(dev_records, tokenizer, args.max_seq_len)
         train_set = common.EncodedDataset(train_records, tokenizer, args.max_seq_len)
@@ -104,4 +107,4 @@ def main():
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -71,7 +71,7 @@ echo "gpu-check: $gpu_line | python $exe"
 missing_modules() {  # the modules of "$@" this Python cannot import
     "$exe" -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "$@"
 }
-# What every training script imports (common.py), the checks (safetensors) and the runner's chart.
+# What every training script imports (common.py and its modules), the checks (safetensors) and the runner's chart.
 SUITE_MODULES=(transformers sklearn numpy tqdm safetensors)
 missing=$(missing_modules "${SUITE_MODULES[@]}")
 if [ -n "$missing" ]; then

@@ -4,7 +4,7 @@
 # The first node of the job hosts the rendezvous; srun starts rank 0 there.
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # One port per job id, so that two jobs sharing a first node do not meet; MASTER_PORT overrides it.
-# (The same rule as a plain srun of the scripts, common.py's use_slurm_task_environment.)
+# (The same rule as a plain srun of the scripts, cli.py's use_slurm_task_environment.)
 PORT=${MASTER_PORT:-$((15000 + SLURM_JOB_ID % 10000))}
 SCRIPT=${SCRIPT:-multi-gpu-distributed-cls.py}
 OUTPUT_DIR=$(realpath -m "${OUTPUT_DIR:-output/$(basename "$SCRIPT" .py)}")

@@ -132,9 +132,9 @@ def untrained_dev_loss():
     import torch
     import torch.nn.functional as F
 
-    import common
+    import models
     train, dev = small_split()
-    tokenizer, model = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
+    tokenizer, model = models.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
     encoded = tokenizer([text for text, _ in dev], padding=True, truncation=True, max_length=128, return_tensors="pt")
     with torch.no_grad():
         logits = model.eval()(**encoded).logits

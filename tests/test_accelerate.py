@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+import checkpoints
 import common
 from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_same_weights, load_weights,
                       predict_dev_accuracy, read_result, require, run, run_in_process)
@@ -125,7 +126,7 @@ def test_an_interrupted_save_keeps_the_previous_checkpoint_which_load_state_rest
             strategy.step(model, optimizer)
 
         def checkpoint(step):
-            state = {"step": step, "meaning": {"world_size": 1}, "random_states": [common.random_states()],
+            state = {"step": step, "meaning": {"world_size": 1}, "random_states": [checkpoints.random_states()],
                      "strategy_state": strategy.extra_state()}
             strategy.save_state(model, optimizer, tmp_path / "checkpoint", state)
 

@@ -7,7 +7,7 @@ from conftest import BIN, SAMPLES, free_port, run, small_split
 
 
 def test_allreduce_benchmark(tmp_path):
-    import common
+    import models
     output = tmp_path / "allreduce.json"
     run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "benchmarks/allreduce.py",
          "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
@@ -17,7 +17,7 @@ def test_allreduce_benchmark(tmp_path):
 
     # The tiny model of the SMALL split, built here as the training scripts build it.
     train, _ = small_split()
-    _, model = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
+    _, model = models.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
     parameters = sum(parameter.numel() for parameter in model.parameters())
     assert result["model_parameters"] == parameters
 

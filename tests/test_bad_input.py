@@ -126,16 +126,17 @@ def test_nccl_asked_for_between_cpu_processes_gets_one_line():
 def test_more_processes_than_gpus_share_them_only_over_gloo(monkeypatch):
     """Checked in this process, with torch told it sees 2 GPUs: local rank 2 has none of its own."""
     import torch
-    import common
+    import cli
+    import machine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert common.resolve_device("auto", 1) == torch.device("cuda", 1)
-    with pytest.raises(common.UserError, match="local rank 2 has no GPU.*--backend gloo"):
-        common.resolve_device("auto", 2, share_gpus=False)  # a DDP script: it takes --backend
-    with pytest.raises(common.UserError, match="processes per machine$"):
-        common.resolve_device("auto", 2)  # a script without --backend is not told to use it
-    assert common.resolve_device("auto", 2, share_gpus=True) == torch.device("cuda", 0)
-    assert common.resolve_device("auto", 3, share_gpus=True) == torch.device("cuda", 1)
-    assert common.resolve_device("cpu", 3) == torch.device("cpu")
-    assert common.backend_for(torch.device("cuda", 0)) == "nccl"
-    assert common.backend_for(torch.device("cuda", 0), "gloo") == "gloo"
+    assert machine.resolve_device("auto", 1) == torch.device("cuda", 1)
+    with pytest.raises(cli.UserError, match="local rank 2 has no GPU.*--backend gloo"):
+        machine.resolve_device("auto", 2, share_gpus=False)  # a DDP script: it takes --backend
+    with pytest.raises(cli.UserError, match="processes per machine$"):
+        machine.resolve_device("auto", 2)  # a script without --backend is not told to use it
+    assert machine.resolve_device("auto", 2, share_gpus=True) == torch.device("cuda", 0)
+    assert machine.resolve_device("auto", 3, share_gpus=True) == torch.device("cuda", 1)
+    assert machine.resolve_device("cpu", 3) == torch.device("cpu")
+    assert machine.backend_for(torch.device("cuda", 0)) == "nccl"
+    assert machine.backend_for(torch.device("cuda", 0), "gloo") == "gloo"

@@ -38,17 +38,17 @@ def test_the_config_is_bert_base_as_published():
 def test_base_shape_has_the_real_models_parameters_and_embedding():
     import torch
 
-    import common
+    import models
     texts = [text for text, _ in small_split()[0]]
-    tokenizer, model = common.build_base_shape_model(texts, 123, {"num_labels": LABELS})
-    assert common.parameter_count(model) == sum(p.numel() for p in model.parameters())
-    assert common.parameter_count(model) == bert_classifier_parameters(CONFIG, LABELS)
+    tokenizer, model = models.build_base_shape_model(texts, 123, {"num_labels": LABELS})
+    assert models.parameter_count(model) == sum(p.numel() for p in model.parameters())
+    assert models.parameter_count(model) == bert_classifier_parameters(CONFIG, LABELS)
     assert model.bert.embeddings.word_embeddings.weight.shape == (CONFIG["vocab_size"], CONFIG["hidden_size"])
     assert len(tokenizer) == CONFIG["vocab_size"]
     # The training characters keep the tiny model's ids; unused tokens only fill the vocabulary up.
-    tiny_tokenizer, _ = common.build_tiny_model(texts, 123, {"num_labels": LABELS})
+    tiny_tokenizer, _ = models.build_tiny_model(texts, 123, {"num_labels": LABELS})
     assert tokenizer(texts[:20])["input_ids"] == tiny_tokenizer(texts[:20])["input_ids"]
-    _, again = common.build_base_shape_model(texts, 123, {"num_labels": LABELS})
+    _, again = models.build_base_shape_model(texts, 123, {"num_labels": LABELS})
     assert torch.equal(model.classifier.weight, again.classifier.weight)  # deterministic from the seed
 
 
@@ -107,10 +107,10 @@ def test_real_size_plan_runs_every_default_row_and_the_sharded_ones_at_4():
 
 def test_real_size_refuses_a_plan_that_does_not_fit_in_memory():
     import benchmark
-    import common
+    import cli
     cells = benchmark.plan(benchmark.parse_args(["--real-size"], gpus=0), gpus=0)
     parameters = bert_classifier_parameters(CONFIG, LABELS)
     # 4 processes, each with 16 bytes of model state a parameter and more: over 4 x 16 x 102 M bytes.
     assert benchmark.check_memory(cells, parameters, available=24 * 2**30) > 4 * 16 * parameters
-    with pytest.raises(common.UserError, match="needs about .* GiB for .*4 processes"):
+    with pytest.raises(cli.UserError, match="needs about .* GiB for .*4 processes"):
         benchmark.check_memory(cells, parameters, available=4 * 16 * parameters)

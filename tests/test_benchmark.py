@@ -9,7 +9,8 @@ import pytest
 
 import benchmark
 import benchmark_report
-import common
+import machine
+import models
 from conftest import CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, run, run_in_process
 
 # --device cpu goes through to every script; CPU_ONLY keeps the runner's own choices (process count,
@@ -67,7 +68,7 @@ def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_proc
 
     table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
     assert f"noise floor: {report['noise_floor']:.1%}" in table and "Scaling:" in table
-    assert f"3 processes exceed the {common.usable_cores()} usable cores" in table or common.usable_cores() >= 3
+    assert f"3 processes exceed the {machine.usable_cores()} usable cores" in table or machine.usable_cores() >= 3
     line = table_line(table, "ddp-n3")
     for figure in (f"{ddp3['train_seconds']:.1f} ({ddp3['train_seconds_min']:.1f}-{ddp3['train_seconds_max']:.1f})",
                    f"{ddp3['samples_per_second']:.1f}", f"{ddp3['dev_accuracy']:.4f}", str(DEV_SAMPLES)):
@@ -267,7 +268,7 @@ def test_the_benchmark_page_shows_the_committed_benchmark_verbatim():
 def test_without_a_gpu_the_runner_trains_the_tiny_model_unless_told_otherwise(monkeypatch):
     """Eleven rows of the real BERT on a laptop's CPU take hours: without GPUs and without --model the
     runner picks the tiny model and says why; a --model given, or GPUs, keep the scripts' choice."""
-    monkeypatch.setattr(common, "resolve_model", lambda choice: "hub-model" if choice == "auto" else choice)
+    monkeypatch.setattr(models, "resolve_model", lambda choice: "hub-model" if choice == "auto" else choice)
     model, note = benchmark.resolve_model(None, gpus=0)
     assert model == "tiny" and "no GPU" in note
     assert benchmark.resolve_model(None, gpus=1) == ("hub-model", None)
@@ -292,7 +293,7 @@ def test_the_plan_says_how_long_it_should_take(monkeypatch):
     real = benchmark.expected_duration(args, cells, "model_hub/chinese-bert-wwm-ext", gpus=0)
     hours = float(re.search(r"about ([\d.]+) hours", real).group(1))
     # 11 launches, each an epoch of 9,200 samples in batches of 32 at 3 s a batch over the cores.
-    assert hours == pytest.approx(11 * (benchmark.LAUNCH_SECONDS + 3.0 * 9200 / 32 / common.usable_cores()) / 3600,
+    assert hours == pytest.approx(11 * (benchmark.LAUNCH_SECONDS + 3.0 * 9200 / 32 / machine.usable_cores()) / 3600,
                                   abs=0.05)
     assert "--model tiny" in real
     assert benchmark.expected_duration(args, cells, "auto", gpus=2) == (
@@ -315,3 +316,12 @@ def test_the_report_presents_from_the_report_alone():
     """benchmark_report.py reads the report dict (benchmark.json) and nothing else: no torch, no common."""
     loaded = run([PYTHON, "-c", "import sys, benchmark_report; print(sorted({'torch', 'common'} & set(sys.modules)))"])
     assert loaded.stdout.strip() == "[]"
+
+
+def test_the_runner_plans_without_torch():
+    """benchmark.py plans from cli.py and files.py alone: torch, and the modules that import it, load
+    only for the run (timing a step, describing the machine, resolving the model)."""
+    plan = ("import sys, benchmark; cells = benchmark.plan(benchmark.parse_args(['--nprocs', '1,2'], gpus=0), gpus=0); "
+            "print(len(cells), sorted({'torch', 'common', 'machine', 'models'} & set(sys.modules)))")
+    planned, loaded = run([PYTHON, "-c", plan]).stdout.split(maxsplit=1)
+    assert int(planned) > 1 and loaded.strip() == "[]"

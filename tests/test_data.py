@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 import common
+import models
 from conftest import ROOT
 
 RECORDS = common.load_records(ROOT / "data" / "train.json")
@@ -38,7 +39,7 @@ def test_split_uses_only_the_first_max_samples_records():
 
 def tiny_datasets(max_samples=200):
     train, dev = common.split_records(RECORDS, max_samples, 0.2, 123)
-    tokenizer, _ = common.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
+    tokenizer, _ = models.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
     return (common.EncodedDataset(train, tokenizer, 128), common.EncodedDataset(dev, tokenizer, 128), tokenizer)
 
 
@@ -164,16 +165,16 @@ def test_batches_are_padded_to_their_longest_text_not_to_max_len():
 
 def test_texts_are_truncated_to_max_seq_len():
     train, _ = common.split_records(RECORDS, 200, 0.2, 123)
-    tokenizer, _ = common.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
+    tokenizer, _ = models.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
     encoded = common.EncodedDataset(train, tokenizer, 8)
     assert max(len(ids) for ids in encoded.input_ids) == 8
 
 
 def test_tiny_model_is_deterministic_from_texts_and_seed():
     texts = ["今天 天气 真好", "气死 我 了 abc"]
-    tok_a, model_a = common.build_tiny_model(texts, 1, {"num_labels": 6})
-    tok_b, model_b = common.build_tiny_model(texts, 1, {"num_labels": 6})
-    _, model_c = common.build_tiny_model(texts, 2, {"num_labels": 6})
+    tok_a, model_a = models.build_tiny_model(texts, 1, {"num_labels": 6})
+    tok_b, model_b = models.build_tiny_model(texts, 1, {"num_labels": 6})
+    _, model_c = models.build_tiny_model(texts, 2, {"num_labels": 6})
     assert tok_a.get_vocab() == tok_b.get_vocab()
     assert all(torch.equal(a, b) for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values()))
     assert not torch.equal(model_a.classifier.weight, model_c.classifier.weight)

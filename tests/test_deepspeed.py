@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
+import models
 from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_same_weights, free_port, load_weights,
                       predict_dev_accuracy, read_result, require, run, run_in_process, small_split,
                       untrained_dev_loss)
@@ -74,7 +74,7 @@ def test_zero3_checkpoint_predicts_the_reported_dev_accuracy(tmp_path):
     result = check_result(tmp_path, 3)
 
     train, _ = small_split()
-    _, initial = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
+    _, initial = models.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
     assert not torch.allclose(initial.classifier.weight, load_weights(tmp_path / "model")["classifier.weight"])
     assert abs(predict_dev_accuracy(tmp_path) - result["dev_accuracy"]) < 1e-9
 

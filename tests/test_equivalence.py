@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import common
+import machine
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, require,
                       run)
 
@@ -43,7 +43,7 @@ def test_three_processes_end_with_the_single_device_weights(tmp_path, single_33,
     assert result["world_size"] == 3 and result["global_batch_size"] == 33 and result["precision"] == "fp32"
     assert result["dev_samples"] == DEV_SAMPLES and result["samples_trained"] == 332
     assert result["steps"] == read_result(single_33)["steps"] == 11
-    assert result["threads_per_process"] == max(1, common.usable_cores() // 3)
+    assert result["threads_per_process"] == max(1, machine.usable_cores() // 3)
     assert_same_weights(single_33 / "model", tmp_path / "model")
 
 
@@ -53,7 +53,7 @@ def test_the_thread_policy_overrides_the_launchers_setting(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores to tell the policy from the launcher's setting")
     cores = set(sorted(os.sched_getaffinity(0))[:2])
-    expected = min(2, int(common.cgroup_cpu_quota() or 2))
+    expected = min(2, int(machine.cgroup_cpu_quota() or 2))
     run(["taskset", "-c", ",".join(map(str, cores)), BIN / "torchrun", "--nproc_per_node", "1", "--master_port",
          free_port(), "multi-gpu-distributed-cls.py", *SMALL, "--max-samples", "60", "--output-dir", str(tmp_path)],
         env={"OMP_NUM_THREADS": "1"}, timeout=300)
@@ -61,15 +61,15 @@ def test_the_thread_policy_overrides_the_launchers_setting(tmp_path):
 
 
 def test_the_cpu_quota_of_a_container_caps_the_cores(tmp_path):
-    assert common.cgroup_cpu_quota(tmp_path) is None
+    assert machine.cgroup_cpu_quota(tmp_path) is None
     (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert common.cgroup_cpu_quota(tmp_path) == 1.5
+    assert machine.cgroup_cpu_quota(tmp_path) == 1.5
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert common.cgroup_cpu_quota(tmp_path) is None
+    assert machine.cgroup_cpu_quota(tmp_path) is None
     (tmp_path / "cpu.max").unlink()
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert common.cgroup_cpu_quota(tmp_path) == 3.0
+    assert machine.cgroup_cpu_quota(tmp_path) == 3.0
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert common.cgroup_cpu_quota(tmp_path) is None
+    assert machine.cgroup_cpu_quota(tmp_path) is None

@@ -8,8 +8,10 @@ import pytest
 import torch
 import transformers
 
+import cli
 import common
 import measure
+import models
 from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_no_process_left, assert_same_weights,
                       free_port, load_weights, predict_dev_accuracy, read_result, require, run, run_in_process,
                       small_split, untrained_dev_loss)
@@ -92,7 +94,7 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
     # The same check reads what fabric run passes in LT_* variables: fp16 on CPU is refused, where
     # Fabric itself would train in bf16 after a warning.
     import fabric_setup  # here: lightning_fabric is checked for first (fabric_installed)
-    parser = common.build_parser(SCRIPT, "")
+    parser = cli.build_parser(SCRIPT, "")
     fabric_setup.add_fabric_args(parser)
     refusals = [([], {"LT_PRECISION": "16-mixed"}, "--precision fp16 needs a GPU"),
                 (["--precision", "fp16"], {}, "--precision fp16 needs a GPU"),
@@ -104,7 +106,7 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
         with monkeypatch.context() as patch:
             for name, value in env.items():
                 patch.setenv(name, value)
-            with pytest.raises(common.UserError, match="^" + message.replace("+", r"\+")):
+            with pytest.raises(cli.UserError, match="^" + message.replace("+", r"\+")):
                 fabric_setup.resolve_launch(parser.parse_args(["--device", "cpu", *options]))
     with monkeypatch.context() as patch:  # agreeing ones are taken
         patch.setenv("LT_PRECISION", "bf16-mixed")
@@ -118,9 +120,9 @@ def test_fabric_leaves_the_epoch_of_the_suites_sampler_to_the_trainer():
     Trainer's set_epoch(epoch) stands, and every process and a resumed run shuffle as DDP does."""
     from lightning_fabric import Fabric
     train, _ = small_split()
-    tokenizer, _ = common.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
+    tokenizer, _ = models.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
     dataset = common.EncodedDataset(train, tokenizer, 128)
-    args = common.build_parser(SCRIPT, "").parse_args(["--batch-size", "16"])
+    args = cli.build_parser(SCRIPT, "").parse_args(["--batch-size", "16"])
     loader = Fabric(accelerator="cpu", devices=1).setup_dataloaders(
         common.make_loader(dataset, args, tokenizer, common.train_sampler(dataset, args, 2, 1)),
         use_distributed_sampler=False)

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU: torch sees none (these tests run on a GPU machine: scripts/gpu-check.sh)",
                 allow_module_level=True)
 
-# What every training script imports (common.py) and what the checks read (safetensors). A GPU
+# What every training script imports (common.py and its modules) and what the checks read (safetensors). A GPU
 # machine set up by hand may lack one: say which, instead of failing every test alike.
 _MISSING = [module for module in ("transformers", "sklearn", "numpy", "tqdm", "safetensors")
             if importlib.util.find_spec(module) is None]
@@ -109,8 +109,8 @@ def test_two_processes_sharing_one_gpu_over_gloo_equal_one_gpu(tmp_path, single_
 
 def scaler_state(output_dir):
     """The step and the gradient scaler's state in the training checkpoint of `output_dir`."""
-    import common
-    state = torch.load(output_dir / "checkpoint" / common.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+    import checkpoints
+    state = torch.load(output_dir / "checkpoint" / checkpoints.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
     return state["step"], state["strategy_state"]["scaler"]
 
 

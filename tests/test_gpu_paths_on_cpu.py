@@ -56,7 +56,7 @@ def test_model_state_is_counted_per_device_and_only_the_gpu_part_leaves_the_gpu_
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(2, 512)).sum().backward()
     optimizer.step()
-    strategy = SimpleNamespace(step=lambda model, optimizer: None)
+    strategy = SimpleNamespace()  # no DeepSpeed engine
     count = measure.ModelStateCount(strategy, model, optimizer)
     count.count()
     whole = count.bytes["total"]
@@ -110,6 +110,7 @@ def test_fabric_deepspeed_config_uses_ddps_bucket_size(monkeypatch):
 def test_dataparallel_checkpoint_saves_and_restores_every_gpus_random_state(monkeypatch, tmp_path):
     """DataParallel's copies on GPUs 1.. draw dropout from those GPUs' generators: a checkpoint must
     hold each one (not only the current GPU's), and --resume must restore each to its own GPU."""
+    import checkpoints
     import common
     spec = importlib.util.spec_from_file_location("dataparallel_script", ROOT / "multi-gpu-dataparallel-cls.py")
     dataparallel_script = importlib.util.module_from_spec(spec)
@@ -120,8 +121,8 @@ def test_dataparallel_checkpoint_saves_and_restores_every_gpus_random_state(monk
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, gpu: restored.__setitem__(gpu, state))
 
     strategy = dataparallel_script.DataParallelStrategy(torch.device("cuda", 2), gpu_ids=[2, 0])
-    torch.save(common.random_states(strategy.gpus()), tmp_path / "states.pt")
-    common.set_random_states(torch.load(tmp_path / "states.pt", weights_only=True))
+    torch.save(checkpoints.random_states(strategy.gpus()), tmp_path / "states.pt")
+    checkpoints.set_random_states(torch.load(tmp_path / "states.pt", weights_only=True))
     assert restored.keys() == {2, 0}
     assert all(torch.equal(restored[gpu], generators[gpu]) for gpu in (2, 0))
     # One process per GPU (DDP and the rest): its own GPU's generator only.

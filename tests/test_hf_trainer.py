@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import common
+import machine
 import measure
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
                       free_port, predict_dev_accuracy, read_result, require, run, untrained_dev_loss)
@@ -39,7 +40,7 @@ def test_three_processes_end_with_the_single_device_weights_and_count_each_dev_s
     assert result["global_batch_size"] == 33 and result["batch_size_per_process"] == 11
     assert result["steps"] == reference["steps"] == 11 and result["samples_trained"] == 332
     assert result["dev_samples"] == DEV_SAMPLES and result["train_samples"] == 332
-    assert result["threads_per_process"] == max(1, common.usable_cores() // 3)
+    assert result["threads_per_process"] == max(1, machine.usable_cores() // 3)
     assert result["versions"]["accelerate"] and result["resumed_from_step"] == 0
     for key in ("dev_loss", "dev_accuracy", "dev_macro_f1", "final_train_loss", "tokens_per_sample"):
         assert result[key] == pytest.approx(reference[key], rel=1e-5), key
@@ -96,7 +97,7 @@ def test_deepspeed_through_training_arguments_ends_with_the_single_device_weight
 
 def test_what_the_trainer_cannot_do_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
     """Refused before any process group or model: run in this process, it costs no interpreter start."""
-    handler = signal.getsignal(signal.SIGTERM)  # common.run installs its own
+    handler = signal.getsignal(signal.SIGTERM)  # cli.run installs its own
     launched = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     try:
         for options, message, gpu_machine in (

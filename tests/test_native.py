@@ -6,7 +6,7 @@ import subprocess
 import pytest
 import torch
 
-import common
+import machine
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_same_weights, free_port,
                       read_result, run, run_in_process, untrained_dev_loss)
 
@@ -57,7 +57,7 @@ def test_bf16_amp_learns_and_tracks_fp32(tmp_path, single_reference):
     process = run([PYTHON, "multi-gpu-distributed-mp-amp-cls.py", *EQUIVALENT, "--output-dir", str(tmp_path)])
     result = assert_distributed_result(tmp_path, "ddp-amp", "spawn", precision="bf16")  # bf16 is the CPU default
     # Whether this CPU computes bf16 itself is recorded, and said when it does not.
-    native = common.computes_natively("bf16", torch.device("cpu"))
+    native = machine.computes_natively("bf16", torch.device("cpu"))
     assert result["precision_native"] is native
     assert ("has no native bf16: torch emulates it" in process.stdout) is not native
     losses = logged_losses(process.stdout + process.stderr)
@@ -137,9 +137,9 @@ def test_spawn_on_several_machines_needs_the_rendezvous_address():
 
 def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "fma"})
-    assert not common.computes_natively("bf16", cpu) and common.computes_natively("fp32", cpu)
-    monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
-    assert common.computes_natively("bf16", cpu) and not common.computes_natively("fp16", cpu)
-    monkeypatch.setattr(common, "cpu_flags", lambda: {"amx_bf16", "amx_fp16"})
-    assert common.computes_natively("bf16", cpu) and common.computes_natively("fp16", cpu)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx2", "fma"})
+    assert not machine.computes_natively("bf16", cpu) and machine.computes_natively("fp32", cpu)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert machine.computes_natively("bf16", cpu) and not machine.computes_natively("fp16", cpu)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"amx_bf16", "amx_fp16"})
+    assert machine.computes_natively("bf16", cpu) and machine.computes_natively("fp16", cpu)

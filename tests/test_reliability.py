@@ -93,6 +93,20 @@ def test_a_failing_rank_ends_the_deepspeed_launchers_job_and_is_named(tmp_path):
     assert not (tmp_path / "result.json").exists()
 
 
+def test_the_injected_failure_is_the_tests_and_names_its_rank_and_step(monkeypatch):
+    """tests/hooks.py is no part of a user's run: loaded only when a test's variable is set."""
+    import measure
+    monkeypatch.delenv("SUITE_FAIL_AT", raising=False)
+    monkeypatch.delenv("SUITE_COUNT_ALLREDUCES", raising=False)
+    assert measure.load_test_hooks() is None
+    monkeypatch.setenv("SUITE_FAIL_AT", "1:3")
+    hooks = measure.load_test_hooks()
+    hooks.fail_if_asked(0, 3)
+    hooks.fail_if_asked(1, 2)
+    with pytest.raises(RuntimeError, match="^failure injected by SUITE_FAIL_AT at step 3$"):
+        hooks.fail_if_asked(1, 3)
+
+
 @pytest.mark.parametrize("script", ["multi-gpu-distributed-mp-cls.py", "multi-gpu-distributed-mp-amp-cls.py"])
 def test_spawn_refuses_a_master_port_in_use(script):
     with socket.socket() as taken:

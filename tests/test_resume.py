@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-import common
+import models
 from conftest import (BIN, RESUMABLE, RESUME, RESUME_ENV, ROOT, assert_same_weights, free_port, read_result,
                       run)
 
@@ -71,7 +71,7 @@ def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_pat
     assert errors == [f"error: --resume: the checkpoint in {tmp_path / 'checkpoint'} was written with world_size 2 "
                       "(now 3), global_batch_size 32 (now 48): its step means other samples here. Resume with its "
                       "settings, or remove it"], process.stderr
-    if not common.LOCAL_MODEL_DIR.is_dir():
+    if not models.LOCAL_MODEL_DIR.is_dir():
         assert process.stderr.count("using the TINY randomly") == 1
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import common
+import cli
 from conftest import (EXACT, DEV_SAMPLES, PYTHON, ROOT, SMALL, assert_same_weights, processes_mentioning,
                       read_result, run)
 
@@ -29,37 +29,37 @@ def slurm_task(monkeypatch):
     launcher_set = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
     task_environment = {name: value for name, value in os.environ.items() if name not in launcher_set}
     monkeypatch.setattr(os, "environ", {**task_environment, **SLURM_TASK})
-    monkeypatch.setattr(common, "srun_started_this_process", False)
+    monkeypatch.setattr(cli, "srun_started_this_process", False)
 
 
 def test_an_srun_task_takes_its_rank_and_rendezvous_from_slurm(slurm_task):
-    assert common.launch_environment("torchrun ...") == (1, 3, 0, 1)  # node 1 of "2,1" runs one task
+    assert cli.launch_environment("torchrun ...") == (1, 3, 0, 1)  # node 1 of "2,1" runs one task
     assert os.environ["MASTER_ADDR"] == "gpu07"
     assert os.environ["MASTER_PORT"] == str(15000 + 123456 % 10000)
-    assert common.srun_started_this_process
+    assert cli.srun_started_this_process
 
 
 def test_master_addr_and_port_set_by_the_user_win(slurm_task, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.9")
     monkeypatch.setenv("MASTER_PORT", "29999")
-    common.launch_environment("torchrun ...")
+    cli.launch_environment("torchrun ...")
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.9", "29999")
 
 
 def test_a_batch_script_without_srun_still_gets_the_launcher_error(slurm_task):
     del os.environ["SLURM_STEP_ID"]  # the batch script itself: srun did not start this process
-    with pytest.raises(common.UserError, match="runs under a launcher"):
-        common.launch_environment("torchrun ...")
+    with pytest.raises(cli.UserError, match="runs under a launcher"):
+        cli.launch_environment("torchrun ...")
 
 
 @pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("node[1-2]", "node1"),
                                              ("gpu[07-09,12]-ib,cpu1", "gpu07-ib"), ("cpu1,gpu[1-2]", "cpu1")])
 def test_the_first_host_of_a_node_list(nodelist, first):
-    assert common.first_host(nodelist) == first
+    assert cli.first_host(nodelist) == first
 
 
 def test_tasks_per_node_expand():
-    assert common.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert cli.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
 
 
 # ----------------------------------------------------------------------------- on the 2-node cluster

@@ -3,7 +3,9 @@ import pytest
 import torch
 import transformers
 
+import cli
 import common
+import models
 from conftest import (DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
                       read_result, run, small_split)
 
@@ -34,7 +36,7 @@ def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dev.txt", "model", "result.json"]
     # ...and it really trained: the weights moved away from the seed's initialisation.
     train, _ = small_split()
-    _, initial = common.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
+    _, initial = models.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
     assert not torch.allclose(initial.classifier.weight, weights["classifier.weight"])
 
     # predict.py's label and probability are what transformers' own pipeline finds in the folder, and
@@ -52,8 +54,8 @@ def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
 
 
 def test_auto_falls_back_to_the_tiny_model_with_a_banner(tmp_path):
-    if common.LOCAL_MODEL_DIR.is_dir():
-        pytest.skip(f"{common.LOCAL_MODEL_DIR} exists, so --model auto uses it")
+    if models.LOCAL_MODEL_DIR.is_dir():
+        pytest.skip(f"{models.LOCAL_MODEL_DIR} exists, so --model auto uses it")
     args = [arg for arg in SMALL if arg not in ("--model", "tiny")]
     process = run([PYTHON, "single-gpu-cls.py", *args, "--model", "auto", "--max-samples", "60",
                    "--output-dir", str(tmp_path)], env={"HF_HUB_OFFLINE": "1"})
@@ -64,9 +66,9 @@ def test_auto_falls_back_to_the_tiny_model_with_a_banner(tmp_path):
 def test_gradient_checkpointing_is_switched_on_and_trains_the_same_weights(tmp_path, single_reference):
     """Recomputing the activations in backward saves memory, not results: the same weights as the
     reference at batch 32, and the model really checkpoints."""
-    args = common.build_parser("single-gpu-cls.py", "").parse_args(["--model", "tiny", "--gradient-checkpointing"])
+    args = cli.build_parser("single-gpu-cls.py", "").parse_args(["--model", "tiny", "--gradient-checkpointing"])
     train, _ = small_split()
-    _, model, _, _ = common.load_model(args, [text for text, _ in train], "tiny")
+    _, model, _, _ = models.load_model(args, [text for text, _ in train], "tiny", common.LABELS)
     assert model.is_activation_checkpointing
     run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", "32", "--gradient-checkpointing",
          "--output-dir", str(tmp_path)])

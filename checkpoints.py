@@ -1,0 +1,141 @@
+"""Saving: the portable model folder every script writes at the end, and the training checkpoints of
+--save-steps that --resume continues from, with what their step means and every process's random
+states, so that a resumed run takes the steps the uninterrupted one would have taken."""
+import contextlib
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cli import UserError
+from files import replace_dir, staged_dir, write_json
+
+# A training checkpoint: the state, and what its step means, readable by a person.
+CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"
+
+
+def save_model(model, tokenizer, path, state_dict=None):
+    """Write a portable model folder (safetensors, config, tokenizer) atomically: build it next to
+    `path`, then swap it in, so an interrupted run never leaves a half-written checkpoint. A sharded
+    model passes its gathered `state_dict`."""
+    with staged_dir(path) as staging:
+        model.save_pretrained(staging, state_dict=state_dict)
+        tokenizer.save_pretrained(staging)
+
+
+# ----------------------------------------------------------------------------- the Trainer's checkpoints
+
+def meaning(trainer):
+    """What a step of this run means: a checkpoint resumes only into a run where all of it is equal
+    (the precision too: an fp16 run's checkpoint holds a gradient scaler, DeepSpeed's 16-bit weights)."""
+    args, strategy = trainer.args, trainer.strategy
+    return {"world_size": strategy.world_size, "batch_size_per_process": args.batch_size,
+            "global_batch_size": trainer.global_batch_size, "gradient_accumulation_steps": args.grad_accum,
+            "data": str(Path(args.data).resolve()),
+            "max_samples": args.max_samples, "dev_ratio": args.dev_ratio, "seed": args.seed,
+            "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length, "model": trainer.model_name,
+            "precision": strategy.precision}
+
+
+def save(trainer, step):
+    """Write the training checkpoint of `step` into <output-dir>/checkpoint, the strategy's way."""
+    strategy = trainer.strategy
+    state = {"step": step, "meaning": meaning(trainer),
+             "random_states": strategy.gather_objects(random_states(strategy.gpus())),
+             "strategy_state": strategy.extra_state()}
+    strategy.save_state(trainer.model, trainer.optimizer, trainer.output_dir / "checkpoint", state)
+
+
+def resume(trainer):
+    """With --resume, restore the checkpoint in --output-dir and return its step (else 0). Rank 0
+    decides whether there is one; every process must be able to read it."""
+    checkpoint, strategy = trainer.output_dir / "checkpoint", trainer.strategy
+    if not trainer.args.resume:
+        return 0
+    saved = strategy.checkpoint_meaning(checkpoint)
+    if not strategy.broadcast_object(saved is not None):
+        trainer.log(f"--resume: no checkpoint in {checkpoint}, starting from step 0")
+        return 0
+    if strategy.reduce_mean(torch.tensor(float(saved is not None), device=strategy.device)).item() < 1:
+        raise UserError(f"--resume: rank 0 found a checkpoint in {checkpoint} that another process cannot "
+                        "read: --output-dir must be on a filesystem every machine shares")
+    differences = [f"{key} {saved.get(key)!r} (now {value!r})" for key, value in meaning(trainer).items()
+                   if saved.get(key) != value]
+    if differences:
+        raise UserError(f"--resume: the checkpoint in {checkpoint} was written with " + ", ".join(differences)
+                        + ": its step means other samples here. Resume with its settings, or remove it")
+    state = strategy.load_state(trainer.model, trainer.optimizer, checkpoint)
+    set_random_states(state["random_states"][strategy.rank])
+    strategy.load_extra_state(state["strategy_state"])
+    trainer.log(f"--resume: continuing from step {state['step']} ({checkpoint})")
+    return state["step"]
+
+
+# ----------------------------------------------------------------------------- checkpoint files
+
+def save_whole(path, state):
+    """One process's checkpoint of the whole training state, in a staged folder swapped in whole: a
+    half-written checkpoint is never taken for one."""
+    with staged_dir(path) as staging:
+        write_training_state(staging, state)
+
+
+@contextlib.contextmanager
+def staged_checkpoint(path, state, is_main, barrier):
+    """Yield the staging folder of a training checkpoint that every process writes part of (its
+    shards), by a collective save that returns once all of them are written. Rank 0 empties it
+    first; after the block it adds `state` and swaps the folder in whole, so an interrupted save
+    leaves the previous checkpoint whole. `barrier()` waits for every process."""
+    staging = path.with_name(f".{path.name}.staging")  # the same name in every process
+    if is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+    barrier()
+    yield staging
+    if is_main:
+        write_training_state(staging, state)
+        replace_dir(staging, path)
+    barrier()
+
+
+def write_training_state(folder, state):
+    """The checkpoint's state, and beside it what its step means, readable by a person."""
+    torch.save(state, folder / CHECKPOINT_FILE)
+    write_json(folder / MEANING_FILE, {"step": state["step"], **state["meaning"]})
+
+
+def read_meaning(path):
+    """The step and settings of the complete checkpoint in `path`, or None when there is none."""
+    path = Path(path)
+    if not (path / CHECKPOINT_FILE).is_file() or not (path / MEANING_FILE).is_file():
+        return None
+    return json.loads((path / MEANING_FILE).read_text(encoding="utf-8"))
+
+
+def read_training_state(path):
+    """The state of the checkpoint in `path`, loaded to the CPU. weights_only: a checkpoint someone
+    hands you holds tensors and plain values, and loading it runs no code."""
+    return torch.load(Path(path) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+
+
+def random_states(gpus=()):
+    """This process's random-number states, those of the `gpus` it draws from included, as tensors and
+    plain values (loadable with weights_only)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
+            "torch": torch.get_rng_state(),
+            "cuda": {gpu: torch.cuda.get_rng_state(gpu) for gpu in gpus}}
+
+
+def set_random_states(states):
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(states["torch"].cpu())
+    for gpu, state in states["cuda"].items():
+        torch.cuda.set_rng_state(state.cpu(), gpu)

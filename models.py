@@ -1,0 +1,164 @@
+"""The model: which one --model names (a local folder, the hub, or one built offline with random
+weights: the tiny BERT, or the real model's shape), loaded with a classification head, and the
+optimizer every script trains it with."""
+import collections
+import os
+import socket
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+import transformers
+
+from files import read_json_object
+from cli import DEFAULT_LR, ROOT, UserError
+
+HUB_MODEL_ID = "hfl/chinese-bert-wwm-ext"
+LOCAL_MODEL_DIR = ROOT / "model_hub" / "chinese-bert-wwm-ext"
+# The real model's architecture, from its published config.json: --model base-shape builds it offline.
+BASE_SHAPE_CONFIG = ROOT / "configs" / "models" / "chinese-bert-wwm-ext.json"
+RANDOM_WEIGHTS_BANNER = "random weights: figures compare strategies, not models"
+
+transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()
+
+
+def resolve_model(choice):
+    """Turn --model into 'tiny', a local folder or a hub id; 'auto' falls back step by step. Call it
+    in one process and share the answer: processes that probe the network each on its own may
+    disagree."""
+    if choice != "auto":
+        return choice
+    if LOCAL_MODEL_DIR.is_dir():
+        return str(LOCAL_MODEL_DIR)
+    if hub_has(HUB_MODEL_ID):
+        return HUB_MODEL_ID
+    banner = "=" * 78
+    print(f"{banner}\n No {LOCAL_MODEL_DIR.relative_to(ROOT)} and no reachable hub: using the TINY randomly"
+          f"\n initialised BERT. Figures measure the strategies, not Chinese BERT quality."
+          f"\n See model_hub/README.md to get {HUB_MODEL_ID}.\n{banner}", file=sys.stderr)
+    return "tiny"
+
+
+def hub_has(model_id):
+    """True when the hub model is cached locally or the hub answers within a few seconds."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return True
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = constants.ENDPOINT.split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def character_vocabulary(train_texts):
+    """BERT's special tokens, then the characters of the training texts, most frequent first.
+
+    BERT's tokenizer splits Chinese into characters but keeps Latin words and digits whole, then
+    cuts them into "##"-continued pieces: every character comes in both forms.
+    """
+    counts = collections.Counter(char for text in train_texts for char in text.lower())
+    chars = sorted(counts, key=lambda char: (-counts[char], char))
+    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + [f"##{char}" for char in chars]
+
+
+def randomly_initialised(vocab, config, seed):
+    """A tokenizer over `vocab` and a BERT classifier of `config` with weights drawn from `seed`."""
+    tokenizer = transformers.BertTokenizer(vocab={token: i for i, token in enumerate(vocab)})
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.BertForSequenceClassification(config)
+    return tokenizer, model
+
+
+def build_tiny_model(train_texts, seed, config_overrides):
+    """A 2-layer BERT (hidden 128) with a character vocabulary from the training texts.
+
+    Deterministic from the texts and the seed, built in a second, no download: what tests and
+    machines without the real weights use.
+    """
+    vocab = character_vocabulary(train_texts)
+    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=128, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=512, max_position_embeddings=512,
+                                     **config_overrides)
+    return randomly_initialised(vocab, config, seed)
+
+
+def base_shape_config():
+    """The architecture values of hfl/chinese-bert-wwm-ext's published config.json."""
+    return read_json_object(BASE_SHAPE_CONFIG, "model config")["config"]
+
+
+def build_base_shape_model(train_texts, seed, config_overrides):
+    """hfl/chinese-bert-wwm-ext's exact architecture (BERT-base, vocabulary 21,128) with random weights.
+
+    The tokenizer knows the tiny model's characters; unused tokens fill the vocabulary up to the
+    real size, so that the embedding matrix, and with it every figure of memory and communication,
+    has the real model's shape. Deterministic from the texts and the seed, no download.
+    """
+    values = base_shape_config()
+    vocab = character_vocabulary(train_texts)
+    if len(vocab) > values["vocab_size"]:
+        raise UserError(f"the training texts have {len(vocab)} tokens, more than base-shape's vocabulary of "
+                        f"{values['vocab_size']}: use fewer --max-samples")
+    vocab += [f"[unused{i}]" for i in range(values["vocab_size"] - len(vocab))]
+    return randomly_initialised(vocab, transformers.BertConfig(**values, **config_overrides), seed)
+
+
+def parameter_count(model):
+    """The model's parameters, whole even where a strategy shards them (DeepSpeed ZeRO-3 keeps the
+    whole count in ds_numel; an FSDP2 DTensor's numel() is the whole tensor's)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def load_model(args, train_texts, name, labels):
+    """Return (tokenizer, model, model name, learning rate) for the resolved --model `name`, with a
+    classification head over `labels`."""
+    overrides = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+                 "label2id": {label: i for i, label in enumerate(labels)}}
+    if args.dropout is not None:
+        overrides.update(hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
+                         classifier_dropout=args.dropout)
+    if name == "tiny":
+        tokenizer, model = build_tiny_model(train_texts, args.seed, overrides)
+    elif name == "base-shape":
+        tokenizer, model = build_base_shape_model(train_texts, args.seed, overrides)
+    else:
+        tokenizer, model = load_pretrained(name, args.seed, overrides)
+    max_positions = model.config.max_position_embeddings
+    if args.max_seq_len > max_positions:
+        raise UserError(f"--max-seq-len {args.max_seq_len} exceeds the model's {max_positions} positions")
+    if args.gradient_checkpointing:
+        # Non-reentrant checkpointing: the form DDP, FSDP2 and the rest accept without special cases.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    lr = args.lr if args.lr is not None else DEFAULT_LR.get(name, DEFAULT_LR["pretrained"])
+    return tokenizer, model, name, lr
+
+
+def load_pretrained(name, seed, overrides):
+    if not Path(name).is_dir() and (name.startswith((".", "/")) or name.count("/") != 1):
+        raise UserError(f"model not found: {name} is neither a folder nor a hub id like {HUB_MODEL_ID}")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)  # the new classification head starts the same in every process
+            model = transformers.AutoModelForSequenceClassification.from_pretrained(name, **overrides)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"could not load model {name}: {first_line}") from None
+    return tokenizer, model
+
+
+def make_optimizer(model, lr, weight_decay):
+    """AdamW without weight decay on biases and LayerNorm weights, as BERT was trained."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if param.ndim < 2 else decay).append(param)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
