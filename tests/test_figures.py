@@ -37,6 +37,11 @@ def section(text, heading, end=None):
     return text[start:text.index(end, start)] if end else text[start:]
 
 
+def words(text):
+    """The text with every run of white space one space: a quoted phrase may wrap."""
+    return " ".join(text.split())
+
+
 def table(text, header):
     """{first cell's first word: [the other cells]} of the markdown table under `header` in `text`."""
     lines = text.splitlines()
@@ -122,18 +127,6 @@ def test_the_strategy_guide_quotes_the_committed_speed_ups(rows):
 STATE_COLUMNS = ("parameters", "gradients", "optimizer_state", "total")
 
 
-def test_the_anatomy_model_state_table_is_the_committed_runs(rows):
-    """docs/anatomy.md's tiny-model table comes from a --profile run; the rows the committed run also
-    has (model state does not depend on timing) must hold the same figures."""
-    shown = table(section(ANATOMY, "## Model state per process"),
-                  "| row | weights | gradients | optimizer state | model state | ZeRO formula |")
-    for page_row, run_row in [("single", "single"), ("ddp", "ddp"), ("deepspeed-zero2", "deepspeed"), ("fsdp", "fsdp")]:
-        row = rows[run_row]
-        expected = [f"{row['model_state_bytes'][name] / MB:.2f}" for name in STATE_COLUMNS]
-        expected.append(f"{row['model_state_formula_bytes']['total'] / MB:.2f}")
-        assert shown[page_row] == expected, f"docs/anatomy.md row {page_row}: {shown[page_row]}, the run says {expected}"
-
-
 def test_the_anatomy_real_size_table_is_the_real_size_runs(real_size_rows):
     shown = table(section(ANATOMY, "## At real size: BERT-base"),
                   "| row | processes | weights | gradients | optimizer state | model state | ZeRO formula | peak RSS "
@@ -154,3 +147,62 @@ def test_the_emulated_bf16_slowdown_is_the_committed_runs(rows):
     assert quoted, "docs/native.md no longer quotes the emulated bf16 run"
     assert quoted.groups() == (f"{amp['train_seconds']:.1f}", f"{fp32['train_seconds']:.1f}",
                                f"{amp['train_seconds'] / fp32['train_seconds']:.1f}", f"{amp['speedup']:.2f}")
+
+
+def test_the_anatomy_sample_profile_line_is_the_real_size_ddp_runs(real_size_rows):
+    """The `step anatomy` line docs/anatomy.md shows is what results.py prints for the real-size ddp row."""
+    profile = real_size_rows["ddp"]["profile"]
+    line = (f"step anatomy (rank 0, {profile['steps']} steps recorded): {profile['step_ms']:.1f} ms per step = "
+            + " + ".join(f"{name} {ms:.1f}" for name, ms in profile["phases_ms"].items())
+            + f" (+ {profile['unaccounted_ms']:.1f} elsewhere); communication overlapped with computing: "
+            + f"{profile['overlapped_communication_ms']:.1f} ms; trace: output/real-size/ddp/trace.json")
+    assert line in section(ANATOMY, "## A step, phase by phase"), f"docs/anatomy.md should show: {line}"
+
+
+def test_the_anatomy_real_size_step_table_is_the_real_size_runs(real_size_rows):
+    shown = table(section(ANATOMY, "## At real size: BERT-base"),
+                  "| row | step | forward | backward | optimizer step | exposed comm. | overlapped comm. "
+                  "| collectives: ms (exposed) in phase |")
+    assert shown.keys() == real_size_rows.keys()
+    for name, row in real_size_rows.items():
+        profile = row["profile"]
+        phases = profile["phases_ms"]
+        expected = [f"{value:.0f}" for value in (profile["step_ms"], phases["forward"], phases["backward"],
+                                                  phases["optimizer step"], phases["exposed communication"],
+                                                  profile["overlapped_communication_ms"])]
+        assert shown[name][:6] == expected, f"docs/anatomy.md step row {name}: {shown[name][:6]}, the run says {expected}"
+        collectives = {f"{key.split(':')[-1]} {value['ms']:.0f} ({value['exposed_ms']:.0f}) in {value['during']}"
+                       for key, value in profile["collectives"].items()}
+        assert set(shown[name][6].split("; ")) == collectives, f"docs/anatomy.md step row {name}: {shown[name][6]}"
+
+
+def test_the_anatomy_per_gpu_table_follows_the_real_size_formula(real_size_rows):
+    """Each row's formula is a + b/N: a and b from the run's formula at 2 and 4 processes, then 8 and 64."""
+    formula = {name: row["model_state_formula_bytes"]["total"] / MB for name, row in real_size_rows.items()}
+    rows = {"DDP": ("ddp", "ddp"), "ZeRO-1/2": ("deepspeed-n2", "deepspeed-n4"),
+            "ZeRO-3": ("deepspeed-zero3-n2", "deepspeed-zero3-n4"), "FSDP2": ("fsdp-n2", "fsdp-n4")}
+    lines = [line for line in section(ANATOMY, "| strategy (fp32 weights, Adam)").splitlines()[2:6]]
+    assert len(lines) == 4
+    for line in lines:
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        key = next(key for key in rows if key in cells[0])
+        at2, at4 = formula[rows[key][0]], formula[rows[key][1]]
+        b = (at2 - at4) * 4
+        a = at2 - b / 2
+        expected = [f"{a + b / n:,.1f}" for n in (2, 4, 8, 64)]
+        assert cells[1:] == expected, f"docs/anatomy.md per-GPU row {cells[0]}: {cells[1:]}, the formula says {expected}"
+
+
+def test_the_anatomy_real_size_notes_are_the_real_size_runs(real_size_rows):
+    text = words(section(ANATOMY, "## At real size: BERT-base"))
+    minutes = sum(row["wall_seconds"] for row in real_size_rows.values()) / 60
+    assert f"{minutes:.0f} minutes of launches" in text
+    padding = max((row["model_state_bytes"]["total"] - row["model_state_formula_bytes"]["total"])
+                  / row["model_state_formula_bytes"]["total"] for row in real_size_rows.values())
+    assert f"within DeepSpeed's gradient padding ({padding:.1%})" in text
+    ddp = real_size_rows["ddp"]["profile"]
+    allreduce = ddp["collectives"]["gloo:all_reduce"]
+    assert f"only {allreduce['exposed_ms'] / 1000:.2f} s of it is exposed" in text
+    assert f"backward ({ddp['phases_ms']['backward'] / 1000:.1f} s)" in text
+    gradients = real_size_rows["ddp"]["model_state_bytes"]["gradients"]
+    assert f"BERT-base's {gradients / 1e6:.0f} MB of gradients" in text
