@@ -206,3 +206,12 @@ def test_the_anatomy_real_size_notes_are_the_real_size_runs(real_size_rows):
     assert f"backward ({ddp['phases_ms']['backward'] / 1000:.1f} s)" in text
     gradients = real_size_rows["ddp"]["model_state_bytes"]["gradients"]
     assert f"BERT-base's {gradients / 1e6:.0f} MB of gradients" in text
+
+
+def test_the_fp32_rows_at_one_global_batch_end_alike(rows):
+    """The README (and docs/sharding.md, for ZeRO-2 and FSDP2) says the fp32 rows at global batch 64
+    end with identical metrics: that is a figure of the committed run too."""
+    assert "The fp32 rows at global batch 64 end with identical metrics" in words(README)
+    alike = {(row["dev_accuracy"], row["dev_macro_f1"]) for row in rows.values()
+             if row["precision"] == "fp32" and row["global_batch"] == 64}
+    assert len(alike) == 1, f"the fp32 rows at global batch 64 end with {alike}"
