@@ -14,6 +14,7 @@ RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json"
 REAL_SIZE_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-base-shape" / "benchmark.json"
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 ANATOMY = (ROOT / "docs" / "anatomy.md").read_text(encoding="utf-8")
+RUNNING = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
 MB = 2**20
 
 
@@ -89,16 +90,35 @@ def test_the_tiny_models_accuracy_range_is_the_committed_runs(rows):
         f"the README says {low}-{high}; the committed run's rows range over {min(accuracies)}-{max(accuracies)}")
 
 
-def test_the_readme_sample_output_is_the_committed_single_row(rows):
+def test_the_sample_output_is_the_committed_single_row(rows):
+    """docs/running.md shows the end of the committed `single` row's output: each line as results.py
+    and the Trainer print it from that launch's result.json (the row's median run)."""
     single = rows["single"]
-    state = {name: f"{value / MB:.2f}" for name, value in single["model_state_bytes"].items()}
-    sample = section(README, "python single-gpu-cls.py --model tiny", "## Prerequisites")
-    assert f"accuracy：{single['dev_accuracy']:.4f} macro-F1：{single['dev_macro_f1']:.4f}" in sample
-    assert (f"parameters {state['parameters']} MB, gradients {state['gradients']} MB, optimizer state "
-            f"{state['optimizer_state']} MB") in sample
-    assert f"(measured {state['total']} MB)" in sample
-    assert f"dev: {single['dev_samples']} samples, accuracy {single['dev_accuracy']:.4f}, " \
-           f"macro-F1 {single['dev_macro_f1']:.4f}" in sample
+    run = next(run for run in single["runs"] if run["train_seconds"] == single["train_seconds"])
+    held, formula = run["model_state_bytes"], run["model_state_formula_bytes"]
+    folder = "/tmp/pub/run/single"
+    assert f"--output-dir {folder} " in run["command"]
+    lines = [
+        f"【train】 epoch：{run['epochs']}/{run['epochs']} step：{run['steps']}/{run['steps']} loss：{run['final_train_loss']:.6f}",
+        f"【dev】 loss：{run['dev_loss']:.6f} accuracy：{run['dev_accuracy']:.4f} macro-F1：{run['dev_macro_f1']:.4f}",
+        f"耗时：{run['train_seconds'] / 60:.2f}分钟",
+        f"strategy {run['strategy']} ({run['launcher']}, {run['world_size']} process(es) x "
+        f"{run['threads_per_process']} thread(s), {run['device']}, {run['precision']}) | model {run['model']}",
+        f"training loop only: {run['train_seconds']:.1f} s, {run['samples_per_second']:.1f} samples/s, "
+        f"{run['tokens_per_sample']:.1f} tokens + {run['padded_tokens_per_sample']:.1f} padding per sample, "
+        f"peak memory {run['peak_memory_mb']:.0f} MB (rank 0)",
+        "model state held by rank 0: " + ", ".join(f"{name.replace('_', ' ')} {held[name] / MB:.2f} MB"
+                                                  for name in ("parameters", "gradients", "optimizer_state"))
+        + f"; the ZeRO formula for stage {formula['zero_stage']} over {formula['processes']} process(es): "
+        + f"{formula['total'] / MB:.2f} MB in all (measured {held['total'] / MB:.2f} MB)",
+        f"dev: {run['dev_samples']} samples, accuracy {run['dev_accuracy']:.4f}, "
+        f"macro-F1 {run['dev_macro_f1']:.4f}, loss {run['dev_loss']:.4f}",
+        f"saved: {folder}/model and {folder}/result.json",
+    ]
+    sample = section(RUNNING, "## What a run prints", "## What a run writes")
+    shown = [line for line in sample.splitlines() if line.strip()]
+    for line in lines:
+        assert line in shown, f"docs/running.md should show: {line}"
 
 
 def test_the_model_state_the_strategy_guide_quotes_is_the_real_size_runs(real_size_rows):
