@@ -235,3 +235,14 @@ def test_the_fp32_rows_at_one_global_batch_end_alike(rows):
     alike = {(row["dev_accuracy"], row["dev_macro_f1"]) for row in rows.values()
              if row["precision"] == "fp32" and row["global_batch"] == 64}
     assert len(alike) == 1, f"the fp32 rows at global batch 64 end with {alike}"
+
+
+def test_the_data_page_quotes_the_committed_runs(rows, real_size_rows):
+    """docs/data.md: the padding every row computed, and the two models' parameter counts."""
+    data = words((ROOT / "docs" / "data.md").read_text(encoding="utf-8"))
+    shown = {f"{row['tokens_per_sample']:.1f} tokens + {row['padded_tokens_per_sample']:.1f} padding" for row in rows.values()}
+    assert len(shown) == 1 and f"every row computed {shown.pop()} per training sample" in data
+    tiny = rows["single"]["model_state_formula_bytes"]["parameter_count"]
+    assert f"about {tiny / 1e6:.2f}M parameters" in data
+    base = real_size_rows["ddp"]["model_state_formula_bytes"]["parameter_count"]
+    assert f"{base:,} parameters with the head" in data and f"({base / 1e6:.1f}M parameters with the 6-class head)" in data
