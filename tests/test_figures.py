@@ -246,3 +246,15 @@ def test_the_data_page_quotes_the_committed_runs(rows, real_size_rows):
     assert f"about {tiny / 1e6:.2f}M parameters" in data
     base = real_size_rows["ddp"]["model_state_formula_bytes"]["parameter_count"]
     assert f"{base:,} parameters with the head" in data and f"({base / 1e6:.1f}M parameters with the 6-class head)" in data
+
+
+def test_the_readme_duration_of_the_benchmark_is_the_committed_runs(rows):
+    """`./run.sh` without a GPU launches each row once: the committed run's walls, added up."""
+    minutes = f"{sum(row['wall_seconds'] for row in rows.values()) / 60:.0f}"
+    assert f"It then takes about {minutes} minutes on 2 cores" in words(README)
+    assert f"2 核上约 {minutes} 分钟" in README
+
+
+def test_the_strategy_guide_quotes_horovods_committed_speed_up(rows):
+    guide = words(section(README, "## Which strategy should I use?", "## Getting the real weights"))
+    assert f"{rows['horovod']['speedup']:.2f}x in the committed run, DDP {rows['ddp']['speedup']:.2f}x" in guide
