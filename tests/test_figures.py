@@ -179,23 +179,6 @@ def test_the_anatomy_sample_profile_line_is_the_real_size_ddp_runs(real_size_row
     assert line in section(ANATOMY, "## A step, phase by phase"), f"docs/anatomy.md should show: {line}"
 
 
-def test_the_anatomy_real_size_step_table_is_the_real_size_runs(real_size_rows):
-    shown = table(section(ANATOMY, "## At real size: BERT-base"),
-                  "| row | step | forward | backward | optimizer step | exposed comm. | overlapped comm. "
-                  "| collectives: ms (exposed) in phase |")
-    assert shown.keys() == real_size_rows.keys()
-    for name, row in real_size_rows.items():
-        profile = row["profile"]
-        phases = profile["phases_ms"]
-        expected = [f"{value:.0f}" for value in (profile["step_ms"], phases["forward"], phases["backward"],
-                                                  phases["optimizer step"], phases["exposed communication"],
-                                                  profile["overlapped_communication_ms"])]
-        assert shown[name][:6] == expected, f"docs/anatomy.md step row {name}: {shown[name][:6]}, the run says {expected}"
-        collectives = {f"{key.split(':')[-1]} {value['ms']:.0f} ({value['exposed_ms']:.0f}) in {value['during']}"
-                       for key, value in profile["collectives"].items()}
-        assert set(shown[name][6].split("; ")) == collectives, f"docs/anatomy.md step row {name}: {shown[name][6]}"
-
-
 def test_the_anatomy_per_gpu_table_follows_the_real_size_formula(real_size_rows):
     """Each row's formula is a + b/N: a and b from the run's formula at 2 and 4 processes, then 8 and 64."""
     formula = {name: row["model_state_formula_bytes"]["total"] / MB for name, row in real_size_rows.items()}
