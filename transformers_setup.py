@@ -318,7 +318,9 @@ class Measurements(TrainerCallback):
                                                    self.trainer.torch_optimizer)
         if self.trainer.is_deepspeed_enabled:
             # Accelerate steps the DeepSpeed engine inside backward (DeepSpeedEngineWrapper), before
-            # on_pre_optimizer_step, and the engine frees the gradient partitions as it steps.
+            # on_pre_optimizer_step, and the engine frees the gradient partitions as it steps. No hook
+            # runs in between: a step pre-hook on the torch optimizer ZeRO wraps comes after ZeRO has
+            # flattened and freed them. The one method this project replaces on a live object.
             engine = self.strategy.engine
             engine_step = engine.step
 
