@@ -9,4 +9,7 @@ if [ "${1:-}" = "--quick" ]; then
     shift
     set -- -m quick "$@"
 fi
-exec .venv/bin/python -m pytest tests "$@"
+# Two workers (pytest-xdist), a file each at a time: while one test's launcher waits or one of its
+# processes imports, the other core runs another file. Runs that several files read are launched once
+# (conftest.once_per_session). Later options win: -n 0 runs in one process.
+exec .venv/bin/python -m pytest tests -n 2 --dist loadfile "$@"

@@ -5,7 +5,9 @@ import importlib.util
 import io
 import json
 import os
+import pickle
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
+import filelock
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,10 +179,26 @@ def assert_no_process_left(marker):
     assert processes_mentioning(marker) == [], "orphan processes left running"
 
 
+def once_per_session(tmp_path_factory, name, launch):
+    """What launch(folder) returns, launched the first time a test asks for `name` in this session. Under
+    pytest-xdist (test.sh runs 2 workers) the workers share it: the first to ask launches, the others
+    wait on its lock and read what it returned."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared-{name}"
+    with filelock.FileLock(f"{folder}.lock"):
+        returned = folder / "returned.pickle"
+        if not returned.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed launch left
+            folder.mkdir()
+            returned.write_bytes(pickle.dumps(launch(folder)))
+        return pickle.loads(returned.read_bytes())
+
+
 def single_run(tmp_path_factory, batch_size):
-    output = tmp_path_factory.mktemp(f"single-reference-{batch_size}")
-    run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", str(batch_size), "--output-dir", str(output)])
-    return output
+    def launch(output):
+        run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", str(batch_size), "--output-dir", str(output)])
+        return output
+    return once_per_session(tmp_path_factory, f"single-reference-{batch_size}", launch)
 
 
 @pytest.fixture(scope="session")
@@ -222,16 +241,13 @@ NEEDS = {"horovod": "horovod", "deepspeed": "deepspeed", "accelerate": "accelera
 @pytest.fixture(scope="session")
 def accumulating_run(tmp_path_factory):
     """accumulating_run(strategy) -> (its process, its output folder): launched once a session."""
-    runs = {}
-
     def get(strategy):
         if strategy in NEEDS:
             require(NEEDS[strategy])
-        if strategy not in runs:
-            output = tmp_path_factory.mktemp(f"accumulating-{strategy}")
-            process = run([*ACCUMULATING[strategy](), *SMALL, *EXACT, "--grad-accum", "2", "--output-dir", str(output)])
-            runs[strategy] = process, output
-        return runs[strategy]
+
+        def launch(output):
+            return run([*ACCUMULATING[strategy](), *SMALL, *EXACT, "--grad-accum", "2", "--output-dir", str(output)]), output
+        return once_per_session(tmp_path_factory, f"accumulating-{strategy}", launch)
     return get
 
 # Each strategy's run of test_resume.py: dropout on (the model's 0.1), so the random states must come
@@ -270,13 +286,11 @@ CrashedRun = collections.namedtuple("CrashedRun", "process seconds orphans outpu
 def crashed_run(tmp_path_factory):
     """crashed_run(strategy) -> CrashedRun: how its RESUMABLE run ended (the process, the seconds it
     took, the processes still running 10 s after) and the folder it left. Tests work on copies."""
-    runs = {}
-
     def get(strategy):
         if strategy in NEEDS:
             require(NEEDS[strategy])
-        if strategy not in runs:
-            output = tmp_path_factory.mktemp(f"crashed-{strategy}")
+
+        def launch(output):
             failing_rank = 0 if strategy in ("single", "dataparallel") else 1
             started = time.monotonic()
             process = run([*RESUMABLE[strategy](), *RESUME, "--output-dir", str(output)], check=False,
@@ -285,8 +299,9 @@ def crashed_run(tmp_path_factory):
             deadline = time.monotonic() + 10
             while processes_mentioning(str(output)) and time.monotonic() < deadline:
                 time.sleep(0.5)
-            runs[strategy] = CrashedRun(process, seconds, processes_mentioning(str(output)), output)
-        return runs[strategy]
+            orphans = [" ".join(process.cmdline()) for process in processes_mentioning(str(output))]
+            return CrashedRun(process, seconds, orphans, output)
+        return once_per_session(tmp_path_factory, f"crashed-{strategy}", launch)
     return get
 
 # The rows of the step and memory anatomy, one per sharding stage, each profiled for 3 steps. DeepSpeed's
@@ -301,26 +316,28 @@ def profiled_benchmark(tmp_path_factory):
     (output folder, {row: benchmark.json row}). test_anatomy.py reads the anatomy, test_benchmark.py
     how variants and per-strategy options reach their rows."""
     require("deepspeed")
-    output = tmp_path_factory.mktemp("profiled-benchmark")
-    config = output / "zero3.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-    run([PYTHON, "benchmark.py", "--only", ",".join(PROFILED_ROWS), "--nprocs", "2", "--profile", "3",
-         "--variant", f"zero3-sharded-all=deepspeed:--zero-stage 3 --deepspeed-config {config}",
-         "--strategy-args", "deepspeed=--offload none",
-         "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
-         "--output-dir", str(output)], env=CPU_ONLY, timeout=1200)
-    return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}
+
+    def launch(output):
+        config = output / "zero3.json"
+        config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+        run([PYTHON, "benchmark.py", "--only", ",".join(PROFILED_ROWS), "--nprocs", "2", "--profile", "3",
+             "--variant", f"zero3-sharded-all=deepspeed:--zero-stage 3 --deepspeed-config {config}",
+             "--strategy-args", "deepspeed=--offload none",
+             "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
+             "--output-dir", str(output)], env=CPU_ONLY, timeout=1200)
+        return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}
+    return once_per_session(tmp_path_factory, "profiled-benchmark", launch)
 
 # What the suite costs, by file: seconds and the processes its tests launch (counted by Python's audit
-# hook for subprocess.Popen, so nothing is replaced). Printed at the end of every run; docs/tests.md
-# keeps the figures of a whole run on 2 cores.
-_cost = {}
-_current_file = [None]
+# hook for subprocess.Popen, so nothing is replaced). Each test report carries its launches, so that
+# under pytest-xdist the controller adds up what every worker ran. Printed at the end of every run;
+# docs/tests.md keeps the figures of a whole run on 2 cores.
+_launches = [None]
 
 
 def _count_launches(event, _args):
-    if event == "subprocess.Popen" and _current_file[0] is not None:
-        _cost.setdefault(_current_file[0], [0.0, 0, 0])[2] += 1
+    if event == "subprocess.Popen" and _launches[0] is not None:
+        _launches[0] += 1
 
 
 sys.addaudithook(_count_launches)
@@ -328,17 +345,30 @@ sys.addaudithook(_count_launches)
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _current_file[0] = item.nodeid.split("::")[0]
-    started = time.monotonic()
+    _launches[0] = 0
     yield
-    cost = _cost.setdefault(_current_file[0], [0.0, 0, 0])
-    cost[0] += time.monotonic() - started
-    cost[1] += 1
-    _current_file[0] = None
+    _launches[0] = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    report.user_properties.append(("launches", _launches[0]))
+    _launches[0] = 0
+
+
+_cost = {}
+
+
+def pytest_runtest_logreport(report):
+    cost = _cost.setdefault(report.nodeid.split("::")[0], [0.0, 0, 0])
+    cost[0] += report.duration
+    cost[1] += report.when == "setup"
+    cost[2] += dict(report.user_properties).get("launches", 0)
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _cost:
+    if not _cost or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     write = terminalreporter.write_line
     terminalreporter.section("cost by file: seconds (setup, call and teardown), tests, launched processes")
