@@ -210,8 +210,10 @@ REAL_SIZE_DEFAULTS = {"max_steps": 4, "profile": 2, "batch_size": 8, "max_sample
 # DDP's gradient buckets or a gathered copy of the weights, and 1 GiB of libraries and activations at batch 8.
 BYTES_PER_PARAMETER, BYTES_BEYOND_PARAMETERS = 20, 2**30
 # A launch's cost besides its steps: launcher, imports, building BERT-base, evaluating, saving its 400 MB.
-# Measured: 56 s (DDP) to 173 s (DeepSpeed ZeRO-3, 4 processes) on 2 loaded cores, 120 s on average.
-LAUNCH_SECONDS = 120
+# Measured on 2 quiet cores: 23 s (one device) to 54 s (ZeRO-1, 4 processes), 30 s the median
+# (docs/results/amd-epyc-2-cores-base-shape-other-rows, whose 10 launches this estimate puts at 12
+# minutes: they took 11); on 2 loaded cores 56 to 173 s.
+LAUNCH_SECONDS = 40
 
 
 def why_not_ready(entry, command):

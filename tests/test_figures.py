@@ -13,6 +13,7 @@ from conftest import ROOT
 
 RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json"
 REAL_SIZE_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-base-shape" / "benchmark.json"
+OTHER_ROWS_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-base-shape-other-rows" / "benchmark.json"
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 ANATOMY = (ROOT / "docs" / "anatomy.md").read_text(encoding="utf-8")
 RUNNING = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
@@ -210,6 +211,34 @@ def test_the_anatomy_real_size_notes_are_the_real_size_runs(real_size_rows):
     assert f"backward ({ddp['phases_ms']['backward'] / 1000:.1f} s)" in text
     gradients = real_size_rows["ddp"]["model_state_bytes"]["gradients"]
     assert f"BERT-base's {gradients / 1e6:.0f} MB of gradients" in text
+
+
+def test_the_anatomy_notes_on_the_other_real_size_rows_are_their_runs(real_size_rows):
+    other = {row["row"]: row for row in json.loads(OTHER_ROWS_RUN.read_text(encoding="utf-8"))["rows"]}
+    text = words(section(ANATOMY, "The other rows, by", "Per GPU from the formula"))
+    minutes = sum(row["wall_seconds"] for row in other.values()) / 60
+    assert f"({minutes:.0f} minutes of launches)" in text
+    held = {name: row["model_state_bytes"]["total"] / MB for name, row in other.items()}
+    ddp = real_size_rows["ddp"]["model_state_bytes"]["total"] / MB
+    assert f"Every unsharded row holds DDP's {ddp:,.2f} MB" in text
+    assert all(f"{held[name]:.2f}" == f"{ddp:.2f}" for name in held if not name.startswith("deepspeed")), held
+    zero1 = held["deepspeed-zero1-n2"], held["deepspeed-zero1-n4"]
+    zero2 = (real_size_rows["deepspeed-n2"]["model_state_bytes"]["total"] / MB,
+             real_size_rows["deepspeed-n4"]["model_state_bytes"]["total"] / MB)
+    assert [f"{mb:.2f}" for mb in zero1] == [f"{mb:.2f}" for mb in zero2]
+    assert f"{zero1[0]:,.2f} MB at 2 processes and {zero1[1]:,.2f} MB at 4" in text
+
+    def allreduce(name):
+        collective = other[name]["profile"]["collectives"]["gloo:all_reduce"]
+        return f"{collective['ms']:,.0f}", f"{collective['exposed_ms']:,.0f}"
+    assert "{} ms of all-reduce of which {} ms exposed under spawn".format(*allreduce("ddp-spawn")) in text
+    assert "{} ms ({} exposed) under Accelerate".format(*allreduce("accelerate")) in text
+    assert "{} ms ({} exposed) under Fabric".format(*allreduce("fabric")) in text
+    waited = other["horovod"]["profile"]["collectives"]["horovod:synchronize"]["exposed_ms"]
+    assert f"only the {waited:.0f} ms the optimizer step waits" in text
+    amp, fp32 = other["ddp-amp"]["profile"]["step_ms"], other["ddp-spawn"]["profile"]["step_ms"]
+    assert f"ddp-amp's step took {amp / 1000:.1f} s where ddp-spawn's took {fp32 / 1000:.1f} s, {amp / fp32:.1f}x" in text
+    assert other["hf-trainer"]["profile"] is None and "its row has no anatomy" in text
 
 
 def test_the_fp32_rows_at_one_global_batch_end_alike(rows):
