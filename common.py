@@ -281,6 +281,8 @@ class Trainer:
     def write_result(self, progress, metrics, first_step):
         """result.json, built here for every script: the run's fields, then each callback's own; rank
         0 prints the report and writes the file."""
+        if not self.strategy.is_main:
+            return None
         result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
         self.notify("on_result", result)
         results.publish(self, result, metrics)
@@ -363,7 +365,8 @@ class Trainer:
                 if args.eval_steps and step % args.eval_steps == 0 and step != total_steps:
                     pause = time.perf_counter()
                     metrics = self.evaluate()
-                    self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
+                    if metrics:
+                        self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
                     self.model.train()
                     paused_seconds += time.perf_counter() - pause
         synchronize(strategy.device)
@@ -377,7 +380,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        """Dev metrics over every dev sample exactly once, whatever the number of processes."""
+        """Dev metrics over every dev sample exactly once, whatever the number of processes: each
+        process predicts its share, all gather every prediction, rank 0 scores them (None elsewhere)."""
         self.model.eval()
         indices, weights, predictions, labels, losses = [], [], [], [], []
         for batch in self.dev_loader:
@@ -394,7 +398,7 @@ class Trainer:
         if not np.array_equal(indices, np.arange(len(self.dev_loader.dataset))):
             raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {len(self.dev_loader.dataset)} "
                                f"dev samples in {len(indices)} predictions")
-        return results.dev_metrics(predictions, labels, losses, LABELS)
+        return results.dev_metrics(predictions, labels, losses, LABELS) if self.strategy.is_main else None
 
 
 def count_tokens(batch):

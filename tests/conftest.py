@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import resource
 import runpy
 import shutil
 import signal
@@ -48,6 +49,9 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 EXACT = ["--no-shuffle", "--dropout", "0"]
 
 sys.path.insert(0, str(ROOT))
+# Two test workers share the cores (test.sh): a waiting OpenMP thread of a launch sleeps instead of
+# spinning on a core the other worker's launch needs. Results do not depend on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from spawn_setup import free_port  # noqa: E402  (a launch never meets the rendezvous of an earlier one)
 
@@ -214,6 +218,23 @@ def single_33(tmp_path_factory):
     return single_run(tmp_path_factory, 33)
 
 
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory):
+    """ddp_run(accumulation) -> (its process, its output folder): DDP under torchrun, 2 processes at the
+    global batch 32 (16 x 1, or 4 x 4 micro-batches), shuffling and dropout off, its gradient
+    all-reduces counted (tests/hooks.py). The quick tier's DDP check reads the first, test_grad_accum.py
+    the all-reduces of both."""
+    def get(accumulation):
+        def launch(output):
+            batch_size = 16 // accumulation
+            return run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
+                        "multi-gpu-distributed-cls.py", *SMALL, *EXACT, "--grad-accum", str(accumulation),
+                        "--batch-size", str(batch_size), "--output-dir", str(output)],
+                       env={"SUITE_COUNT_ALLREDUCES": "1"}), output
+        return once_per_session(tmp_path_factory, f"ddp-{accumulation}", launch)
+    return get
+
+
 # Each strategy at 2 processes x 8 x 2 micro-batches, shuffling and dropout off: the global batch 32 of
 # single_reference. test_grad_accum.py checks every one against it; the strategy's own file reads the
 # same run for what it checks at 2 processes (its launcher, its result, rank 0 alone reporting), and
@@ -328,11 +349,13 @@ def profiled_benchmark(tmp_path_factory):
         return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}
     return once_per_session(tmp_path_factory, "profiled-benchmark", launch)
 
-# What the suite costs, by file: seconds and the processes its tests launch (counted by Python's audit
-# hook for subprocess.Popen, so nothing is replaced). Each test report carries its launches, so that
-# under pytest-xdist the controller adds up what every worker ran. Printed at the end of every run;
-# docs/tests.md keeps the figures of a whole run on 2 cores.
+# What the suite costs, by file: seconds, the processes its tests launch (counted by Python's audit
+# hook for subprocess.Popen, so nothing is replaced) and the CPU seconds they and the test spent (the
+# launched processes' once they ended; a Slurm job's run under slurmd, not here). Each test report
+# carries its own, so that under pytest-xdist the controller adds up what every worker ran. Printed at
+# the end of every run; docs/tests.md keeps the figures of a whole run on 2 cores.
 _launches = [None]
+_cpu_at = [0.0]
 
 
 def _count_launches(event, _args):
@@ -343,9 +366,14 @@ def _count_launches(event, _args):
 sys.addaudithook(_count_launches)
 
 
+def _cpu_seconds():
+    used = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return sum(usage.ru_utime + usage.ru_stime for usage in used)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _launches[0] = 0
+    _launches[0], _cpu_at[0] = 0, _cpu_seconds()
     yield
     _launches[0] = None
 
@@ -353,26 +381,29 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
-    report.user_properties.append(("launches", _launches[0]))
-    _launches[0] = 0
+    now = _cpu_seconds()
+    report.user_properties += [("launches", _launches[0]), ("cpu_seconds", now - _cpu_at[0])]
+    _launches[0], _cpu_at[0] = 0, now
 
 
 _cost = {}
 
 
 def pytest_runtest_logreport(report):
-    cost = _cost.setdefault(report.nodeid.split("::")[0], [0.0, 0, 0])
+    cost = _cost.setdefault(report.nodeid.split("::")[0], [0.0, 0.0, 0, 0])
+    spent = dict(report.user_properties)
     cost[0] += report.duration
-    cost[1] += report.when == "setup"
-    cost[2] += dict(report.user_properties).get("launches", 0)
+    cost[1] += spent.get("cpu_seconds", 0.0)
+    cost[2] += report.when == "setup"
+    cost[3] += spent.get("launches", 0)
 
 
 def pytest_terminal_summary(terminalreporter):
     if not _cost or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     write = terminalreporter.write_line
-    terminalreporter.section("cost by file: seconds (setup, call and teardown), tests, launched processes")
-    for name, (seconds, tests, launches) in sorted(_cost.items(), key=lambda item: -item[1][0]):
-        write(f"{seconds:8.1f} s {tests:4d} tests {launches:4d} launches  {name}")
-    write(f"{sum(c[0] for c in _cost.values()):8.1f} s {sum(c[1] for c in _cost.values()):4d} tests "
-          f"{sum(c[2] for c in _cost.values()):4d} launches  total")
+    terminalreporter.section("cost by file: seconds (setup, call, teardown), CPU seconds, tests, launched processes")
+    for name, (seconds, cpu, tests, launches) in sorted(_cost.items(), key=lambda item: -item[1][1]):
+        write(f"{seconds:8.1f} s {cpu:8.1f} cpu s {tests:4d} tests {launches:4d} launches  {name}")
+    seconds, cpu, tests, launches = (sum(column) for column in zip(*_cost.values()))
+    write(f"{seconds:8.1f} s {cpu:8.1f} cpu s {tests:4d} tests {launches:4d} launches  total")

@@ -34,13 +34,13 @@ def table_line(text, name):
 
 
 def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_process_run(tmp_path):
-    """single, and ddp at 1 and 3 processes, twice each: 6 launches."""
-    process = run([PYTHON, "benchmark.py", "--only", "single,ddp", "--nprocs", "1,3", "--repeat", "2", *DATA,
+    """single, and ddp at 1 and 2 processes, twice each: 6 launches."""
+    process = run([PYTHON, "benchmark.py", "--only", "single,ddp", "--nprocs", "1,2", "--repeat", "2", *DATA,
                    "--output-dir", str(tmp_path)], env=CPU_ONLY, timeout=1200)
     report = load_report(tmp_path)
-    assert report["all_succeeded"] is True and report["model"] == "tiny" and report["counts"] == [1, 3]
+    assert report["all_succeeded"] is True and report["model"] == "tiny" and report["counts"] == [1, 2]
     rows = {row["row"]: row for row in report["rows"]}
-    assert list(rows) == ["single", "ddp-n1", "ddp-n3"]  # single does not depend on --nprocs: once
+    assert list(rows) == ["single", "ddp-n1", "ddp-n2"]  # single does not depend on --nprocs: once
     # Round-robin: every row's first launch before any row's second (plain lines: output is not a terminal).
     order = re.findall(r"^\[\d+/6\] (\S+) run (\d)/2: ok", process.stdout, re.M)
     assert order == [(name, repeat) for repeat in "12" for name in rows], process.stdout
@@ -56,24 +56,23 @@ def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_proc
         for key, result_key in SAME_AS_RESULT.items():
             assert row[key] == median[result_key], (name, key)
         assert row["dev_samples"] == DEV_SAMPLES and row["precision"] == "fp32"
-    assert read_result(tmp_path / "ddp-n3")["world_size"] == 3
+    assert read_result(tmp_path / "ddp-n2")["world_size"] == 2
     assert report["noise_floor"] == max(row["relative_spread"] for row in rows.values())
 
-    ddp1, ddp3 = rows["ddp-n1"], rows["ddp-n3"]
-    assert (ddp1["processes"], ddp3["processes"], ddp3["global_batch"]) == (1, 3, 96)  # weak scaling
-    assert ddp3["speedup"] == round(ddp3["samples_per_second"] / rows["single"]["samples_per_second"], 3)
-    assert ddp3["speedup_vs_1_process"] == round(ddp3["samples_per_second"] / ddp1["samples_per_second"], 3)
-    assert ddp3["scaling_efficiency"] == round(ddp3["speedup_vs_1_process"] / 3, 3)
+    ddp1, ddp2 = rows["ddp-n1"], rows["ddp-n2"]
+    assert (ddp1["processes"], ddp2["processes"], ddp2["global_batch"]) == (1, 2, 64)  # weak scaling
+    assert ddp2["speedup"] == round(ddp2["samples_per_second"] / rows["single"]["samples_per_second"], 3)
+    assert ddp2["speedup_vs_1_process"] == round(ddp2["samples_per_second"] / ddp1["samples_per_second"], 3)
+    assert ddp2["scaling_efficiency"] == round(ddp2["speedup_vs_1_process"] / 2, 3)
     assert "speedup_vs_1_process" not in rows["single"]
 
     table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
     assert f"noise floor: {report['noise_floor']:.1%}" in table and "Scaling:" in table
-    assert f"3 processes exceed the {machine.usable_cores()} usable cores" in table or machine.usable_cores() >= 3
-    line = table_line(table, "ddp-n3")
-    for figure in (f"{ddp3['train_seconds']:.1f} ({ddp3['train_seconds_min']:.1f}-{ddp3['train_seconds_max']:.1f})",
-                   f"{ddp3['samples_per_second']:.1f}", f"{ddp3['dev_accuracy']:.4f}", str(DEV_SAMPLES)):
+    line = table_line(table, "ddp-n2")
+    for figure in (f"{ddp2['train_seconds']:.1f} ({ddp2['train_seconds_min']:.1f}-{ddp2['train_seconds_max']:.1f})",
+                   f"{ddp2['samples_per_second']:.1f}", f"{ddp2['dev_accuracy']:.4f}", str(DEV_SAMPLES)):
         assert f" {figure} " in line, figure
-    assert f"| ddp-n3 | 3 | {ddp3['samples_per_second']:.1f} | {ddp3['speedup_vs_1_process']:.2f}x |" in table
+    assert f"| ddp-n2 | 2 | {ddp2['samples_per_second']:.1f} | {ddp2['speedup_vs_1_process']:.2f}x |" in table
     assert report["git"]["commit"] and isinstance(report["git"]["modified"], bool)
     chart = (tmp_path / "benchmark.png").read_bytes()
     assert chart.startswith(b"\x89PNG") and len(chart) > 10_000
@@ -212,6 +211,16 @@ def test_an_emulated_precision_and_the_zero_stage_are_marked_in_the_table():
     assert benchmark_report.precision_label({**row, "precision_native": True}) == "bf16"
     assert benchmark_report.row_label({"row": "deepspeed", "zero_stage": 2}) == "deepspeed (ZeRO-2)"
     assert benchmark_report.row_label({"row": "deepspeed-zero3", "zero_stage": 3}) == "deepspeed-zero3"
+
+
+def test_more_processes_than_cores_are_said_to_prove_the_mechanics_not_the_speed():
+    report = json.loads((ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json").read_text(encoding="utf-8"))
+    report["machine"].update(cores=2, gpus=[])
+    report["counts"] = [1, 2]
+    assert not any("exceed" in line for line in benchmark_report.header_lines(report))
+    report["counts"] = [1, 3, 4]
+    assert benchmark_report.header_lines(report)[-1] == (
+        "note: 3 and 4 processes exceed the 2 usable cores: those runs prove the mechanics, not the speed")
 
 
 def test_a_speedup_within_the_noise_floor_of_another_is_marked():

@@ -20,9 +20,11 @@ LAUNCH = {
     "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(), "multi-gpu-fsdp-cls.py"],
     "horovod": lambda: [BIN / "horovodrun", "-np", "3", "-H", "localhost:3", "--gloo", "--start-timeout", "120",
                         PYTHON, "multi-gpu-horovod-cls.py"],
-    "deepspeed-zero1": lambda: [BIN / "deepspeed", "--num_gpus", "3", "--master_port", free_port(),
+    # Under torchrun, which sets what the deepspeed launcher would and starts no two Pythons of its own
+    # first (test_deepspeed.py and the accumulating run take the deepspeed launcher).
+    "deepspeed-zero1": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
                                 "multi-gpu-deepspeed-cls.py", "--zero-stage", "1", "--precision", "fp32"],
-    "deepspeed-zero3": lambda: [BIN / "deepspeed", "--num_gpus", "3", "--master_port", free_port(),
+    "deepspeed-zero3": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
                                 "multi-gpu-deepspeed-cls.py", "--zero-stage", "3", "--precision", "fp32"],
     "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "3",
                            "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu"],

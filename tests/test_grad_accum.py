@@ -5,7 +5,7 @@ The runs are conftest's ACCUMULATING, shared with each strategy's own file."""
 import pytest
 
 import measure
-from conftest import (ACCUMULATING, BIN, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, run)
+from conftest import ACCUMULATING, EXACT, PYTHON, SMALL, assert_same_weights, read_result, run
 
 ACCUMULATE = [*SMALL, *EXACT, "--grad-accum", "2"]
 
@@ -25,16 +25,11 @@ def test_accumulating_ends_with_the_single_device_weights(accumulating_run, sing
     assert_steps_like_one_device_at_32(output, single_reference)
 
 
-def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(tmp_path, single_reference):
+def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(ddp_run, single_reference):
     """no_sync(): 4 micro-batches of 4 per process run as many all-reduces as 1 batch of 16 (one per
     gradient bucket and step), not 4 times as many; the last step has 2 micro-batches (12 samples)."""
-    counts = {}
-    for accumulation, batch_size in ((1, 16), (4, 4)):
-        output = tmp_path / str(accumulation)
-        run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-distributed-cls.py",
-             *SMALL, *EXACT, "--grad-accum", str(accumulation), "--batch-size", str(batch_size),
-             "--output-dir", str(output)], env={measure.COUNT_ALLREDUCES_ENV: "1"})
-        counts[accumulation] = assert_steps_like_one_device_at_32(output, single_reference)["gradient_allreduces"]
+    counts = {accumulation: assert_steps_like_one_device_at_32(ddp_run(accumulation)[1], single_reference)[
+        "gradient_allreduces"] for accumulation in (1, 4)}
     assert counts[4] == counts[1] >= 11
 
 

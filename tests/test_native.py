@@ -15,10 +15,6 @@ EQUIVALENT = [*SMALL, *EXACT, "--batch-size", "16"]
 TORCHRUN = str(BIN / "torchrun")
 
 
-def torchrun(*args):
-    return [TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-distributed-cls.py", *args]
-
-
 def assert_distributed_result(output_dir, strategy, launcher, precision="fp32"):
     result = read_result(output_dir)
     assert (result["strategy"], result["launcher"], result["precision"]) == (strategy, launcher, precision)
@@ -31,11 +27,11 @@ def logged_losses(output):
 
 
 @pytest.mark.quick
-def test_ddp_under_torchrun_equals_the_single_device_run(tmp_path, single_reference):
-    process = run(torchrun(*EQUIVALENT, "--output-dir", str(tmp_path)))
-    assert_distributed_result(tmp_path, "ddp", "torchrun")
+def test_ddp_under_torchrun_equals_the_single_device_run(ddp_run, single_reference):
+    process, output = ddp_run(1)
+    assert_distributed_result(output, "ddp", "torchrun")
     assert process.stdout.count("耗时：") == 1  # only rank 0 reports
-    assert_same_weights(single_reference / "model", tmp_path / "model")
+    assert_same_weights(single_reference / "model", output / "model")
 
 
 def test_ddp_under_the_legacy_launcher(tmp_path):
