@@ -281,8 +281,6 @@ class Trainer:
     def write_result(self, progress, metrics, first_step):
         """result.json, built here for every script: the run's fields, then each callback's own; rank
         0 prints the report and writes the file."""
-        if not self.strategy.is_main:
-            return None
         result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
         self.notify("on_result", result)
         results.publish(self, result, metrics)
@@ -365,8 +363,7 @@ class Trainer:
                 if args.eval_steps and step % args.eval_steps == 0 and step != total_steps:
                     pause = time.perf_counter()
                     metrics = self.evaluate()
-                    if metrics:
-                        self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
+                    self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
                     self.model.train()
                     paused_seconds += time.perf_counter() - pause
         synchronize(strategy.device)
@@ -380,8 +377,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        """Dev metrics over every dev sample exactly once, whatever the number of processes: each
-        process predicts its share, all gather every prediction, rank 0 scores them (None elsewhere)."""
+        """Dev metrics over every dev sample exactly once, whatever the number of processes."""
         self.model.eval()
         indices, weights, predictions, labels, losses = [], [], [], [], []
         for batch in self.dev_loader:
@@ -398,7 +394,7 @@ class Trainer:
         if not np.array_equal(indices, np.arange(len(self.dev_loader.dataset))):
             raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {len(self.dev_loader.dataset)} "
                                f"dev samples in {len(indices)} predictions")
-        return results.dev_metrics(predictions, labels, losses, LABELS) if self.strategy.is_main else None
+        return results.dev_metrics(predictions, labels, losses, LABELS)
 
 
 def count_tokens(batch):

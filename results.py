@@ -13,9 +13,10 @@ from models import parameter_count
 
 
 def publish(trainer, result, metrics):
-    """Print the report and write <output-dir>/result.json (rank 0: Trainer.write_result)."""
-    report(trainer, result, metrics)
-    write_json(trainer.output_dir / "result.json", result)
+    """Rank 0 prints the report and writes <output-dir>/result.json."""
+    if trainer.strategy.is_main:
+        report(trainer, result, metrics)
+        write_json(trainer.output_dir / "result.json", result)
 
 
 def announce(trainer):

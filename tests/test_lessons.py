@@ -15,13 +15,13 @@ from conftest import ROOT
 # (predecessor, script, budget): at most `budget` lines added or removed between the two.
 LESSONS = [
     ("single-gpu-cls.py", "multi-gpu-dataparallel-cls.py", 90),
-    ("single-gpu-cls.py", "multi-gpu-distributed-cls.py", 110),
+    ("single-gpu-cls.py", "multi-gpu-distributed-cls.py", 95),
     ("multi-gpu-distributed-cls.py", "multi-gpu-distributed-mp-cls.py", 80),
     ("multi-gpu-distributed-mp-cls.py", "multi-gpu-distributed-mp-amp-cls.py", 65),
-    ("multi-gpu-distributed-cls.py", "multi-gpu-horovod-cls.py", 175),
-    ("multi-gpu-distributed-cls.py", "multi-gpu-deepspeed-cls.py", 230),
-    ("multi-gpu-distributed-cls.py", "multi-gpu-accelerate-cls.py", 180),
-    ("multi-gpu-distributed-cls.py", "multi-gpu-fsdp-cls.py", 180),
+    ("multi-gpu-distributed-cls.py", "multi-gpu-horovod-cls.py", 160),
+    ("multi-gpu-distributed-cls.py", "multi-gpu-deepspeed-cls.py", 195),
+    ("multi-gpu-distributed-cls.py", "multi-gpu-accelerate-cls.py", 175),
+    ("multi-gpu-distributed-cls.py", "multi-gpu-fsdp-cls.py", 175),
     ("multi-gpu-distributed-cls.py", "multi-gpu-fabric-cls.py", 150),
     ("multi-gpu-distributed-cls.py", "multi-gpu-transformers-cls.py", 185),
 ]
