@@ -226,11 +226,11 @@ def ddp_run(tmp_path_factory):
     the all-reduces of both."""
     def get(accumulation):
         def launch(output):
-            batch_size = 16 // accumulation
+            import measure
             return run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
                         "multi-gpu-distributed-cls.py", *SMALL, *EXACT, "--grad-accum", str(accumulation),
-                        "--batch-size", str(batch_size), "--output-dir", str(output)],
-                       env={"SUITE_COUNT_ALLREDUCES": "1"}), output
+                        "--batch-size", str(16 // accumulation), "--output-dir", str(output)],
+                       env={measure.COUNT_ALLREDUCES_ENV: "1"}), output
         return once_per_session(tmp_path_factory, f"ddp-{accumulation}", launch)
     return get
 
@@ -306,7 +306,7 @@ CrashedRun = collections.namedtuple("CrashedRun", "process seconds orphans outpu
 @pytest.fixture(scope="session")
 def crashed_run(tmp_path_factory):
     """crashed_run(strategy) -> CrashedRun: how its RESUMABLE run ended (the process, the seconds it
-    took, the processes still running 10 s after) and the folder it left. Tests work on copies."""
+    took, the pids still running 10 s after) and the folder it left. Tests work on copies."""
     def get(strategy):
         if strategy in NEEDS:
             require(NEEDS[strategy])
@@ -320,7 +320,7 @@ def crashed_run(tmp_path_factory):
             deadline = time.monotonic() + 10
             while processes_mentioning(str(output)) and time.monotonic() < deadline:
                 time.sleep(0.5)
-            orphans = [" ".join(process.cmdline()) for process in processes_mentioning(str(output))]
+            orphans = [left.pid for left in processes_mentioning(str(output))]
             return CrashedRun(process, seconds, orphans, output)
         return once_per_session(tmp_path_factory, f"crashed-{strategy}", launch)
     return get
