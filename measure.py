@@ -66,21 +66,27 @@ class ModelStateCount(Callback):
         if self.steps <= 2:
             self.count()
 
-    def count(self):
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's and DeepSpeed's wrap torch's
+    def master_weights(self):
+        """DeepSpeed's fp32 partitions, one per parameter group: what its torch optimizer updates."""
         zero = self.zero_optimizer
-        master_weights = [*getattr(zero, "single_partition_of_fp32_groups", []),
-                          *getattr(zero, "fp32_partitioned_groups_flat", [])]  # what DeepSpeed's Adam updates
+        return [*getattr(zero, "single_partition_of_fp32_groups", []), *getattr(zero, "fp32_partitioned_groups_flat", [])]
+
+    def count(self, gradients=None):
+        """`gradients`: where the caller saw them (a ZeRO partition per group, at that group's step
+        under the Trainer); by default, those the tensors hold now."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's and DeepSpeed's wrap torch's
+        zero, master_weights = self.zero_optimizer, self.master_weights()
         masters = {local(master).untyped_storage().data_ptr() for master in master_weights}
         optimized = [p for group in optimizer.param_groups for p in group["params"]
                      if local(p).untyped_storage().data_ptr() not in masters]
         parameters = [*self.model.parameters(), *optimized]
         parameters += [p.ds_tensor for p in parameters if hasattr(p, "ds_tensor")]  # a ZeRO-3 weight partition
-        gradients = [p.grad for p in parameters + master_weights if p.grad is not None]
-        gradients += [g for group in getattr(zero, "averaged_gradients", {}).values() for g in group or []
-                      if isinstance(g, torch.Tensor)]
-        if isinstance(getattr(zero, "grad_partitions_flat_buffer", None), torch.Tensor):
-            gradients.append(zero.grad_partitions_flat_buffer)
+        if gradients is None:
+            gradients = [p.grad for p in parameters + master_weights if p.grad is not None]
+            gradients += [g for group in getattr(zero, "averaged_gradients", {}).values() for g in group or []
+                          if isinstance(g, torch.Tensor)]
+            if isinstance(getattr(zero, "grad_partitions_flat_buffer", None), torch.Tensor):
+                gradients.append(zero.grad_partitions_flat_buffer)
         seen = {}
         held = {"parameters": storage_bytes(parameters, seen),
                 "gradients": storage_bytes(gradients, seen),

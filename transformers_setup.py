@@ -304,7 +304,7 @@ class Measurements(TrainerCallback):
         self.test_hooks = measure.load_test_hooks()  # SUITE_FAIL_AT, SUITE_COUNT_ALLREDUCES: tests/hooks.py
         self.tokens = torch.zeros(2, dtype=torch.float64)
         self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
-        self.model_state = None
+        self.model_state, self.zero_partitions = None, []
         self.start = None
 
     def count_tokens(self, batch):
@@ -314,21 +314,12 @@ class Measurements(TrainerCallback):
         # After the Trainer has wrapped the model and built the optimizer: what follows is the loop.
         if self.trainer.is_deepspeed_enabled:
             self.strategy.engine = self.trainer.model_wrapped
+            # Accelerate steps the DeepSpeed engine inside backward, which frees the gradient partitions
+            # before any Trainer callback runs. ZeRO hands them to the torch optimizer, one parameter
+            # group at a time, as fp32 gradients: seen there, and counted with the rest after the step.
+            self.trainer.torch_optimizer.register_step_pre_hook(self.collect_zero_partitions)
         self.model_state = measure.ModelStateCount(self.strategy, self.trainer.model_wrapped,
                                                    self.trainer.torch_optimizer)
-        if self.trainer.is_deepspeed_enabled:
-            # Accelerate steps the DeepSpeed engine inside backward (DeepSpeedEngineWrapper), before
-            # on_pre_optimizer_step, and the engine frees the gradient partitions as it steps. No hook
-            # runs in between: a step pre-hook on the torch optimizer ZeRO wraps comes after ZeRO has
-            # flattened and freed them. The one method this project replaces on a live object.
-            engine = self.strategy.engine
-            engine_step = engine.step
-
-            def count_then_step(*step_args, **step_kwargs):
-                if self.trainer.state.global_step == 1:
-                    self.model_state.count()
-                return engine_step(*step_args, **step_kwargs)
-            engine.step = count_then_step
         allreduces = self.test_hooks and self.test_hooks.gradient_allreduce_count(self.trainer.model_wrapped)
         # What common.Trainer.write_result asks for each measurement's result.json fields (on_result).
         self.trainer.suite.callbacks = [self.model_state] + ([allreduces] if allreduces else [])
@@ -336,9 +327,14 @@ class Measurements(TrainerCallback):
         machine.synchronize(self.strategy.device)
         self.start = time.perf_counter()
 
+    def collect_zero_partitions(self, optimizer, args, kwargs):
+        if self.trainer.state.global_step == 1:
+            self.zero_partitions += [p.grad for group in optimizer.param_groups for p in group["params"]]
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if state.global_step == 1 and not self.trainer.is_deepspeed_enabled:
-            self.model_state.count()  # before the second step: weights, gradients and Adam moments all exist
+        if state.global_step == 1:  # weights, gradients and Adam moments all exist (DeepSpeed's: see above)
+            self.model_state.count(gradients=self.zero_partitions or None)
+            self.zero_partitions = []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]

@@ -57,7 +57,7 @@ def test_ddp_at_real_size_holds_what_the_zero_formula_predicts(tmp_path):
     output = tmp_path / "ddp"
     run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--master-port", free_port(),
          "multi-gpu-distributed-cls.py", *SMALL, "--model", "base-shape", "--max-samples", "120", "--dev-ratio", "0.1",
-         "--batch-size", "8", "--max-steps", "2", "--output-dir", str(output)])
+         "--batch-size", "2", "--max-steps", "2", "--output-dir", str(output)])
     result = read_result(output)
     parameters = bert_classifier_parameters(CONFIG, LABELS)
     assert result["parameters"] == parameters

@@ -34,15 +34,15 @@ def table_line(text, name):
 
 
 def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_process_run(tmp_path):
-    """single, and ddp at 1 and 2 processes, twice each: 6 launches."""
-    process = run([PYTHON, "benchmark.py", "--only", "single,ddp", "--nprocs", "1,2", "--repeat", "2", *DATA,
+    """ddp at 1 and 2 processes, twice each: 4 launches (single's place in a sweep: the test after)."""
+    process = run([PYTHON, "benchmark.py", "--only", "ddp", "--nprocs", "1,2", "--repeat", "2", *DATA,
                    "--output-dir", str(tmp_path)], env=CPU_ONLY, timeout=1200)
     report = load_report(tmp_path)
     assert report["all_succeeded"] is True and report["model"] == "tiny" and report["counts"] == [1, 2]
     rows = {row["row"]: row for row in report["rows"]}
-    assert list(rows) == ["single", "ddp-n1", "ddp-n2"]  # single does not depend on --nprocs: once
+    assert list(rows) == ["ddp-n1", "ddp-n2"]
     # Round-robin: every row's first launch before any row's second (plain lines: output is not a terminal).
-    order = re.findall(r"^\[\d+/6\] (\S+) run (\d)/2: ok", process.stdout, re.M)
+    order = re.findall(r"^\[\d+/4\] (\S+) run (\d)/2: ok", process.stdout, re.M)
     assert order == [(name, repeat) for repeat in "12" for name in rows], process.stdout
     assert "\r" not in process.stdout and "\x1b" not in process.stdout
 
@@ -61,10 +61,9 @@ def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_proc
 
     ddp1, ddp2 = rows["ddp-n1"], rows["ddp-n2"]
     assert (ddp1["processes"], ddp2["processes"], ddp2["global_batch"]) == (1, 2, 64)  # weak scaling
-    assert ddp2["speedup"] == round(ddp2["samples_per_second"] / rows["single"]["samples_per_second"], 3)
+    assert ddp2["speedup"] is None  # no single row to compare with
     assert ddp2["speedup_vs_1_process"] == round(ddp2["samples_per_second"] / ddp1["samples_per_second"], 3)
     assert ddp2["scaling_efficiency"] == round(ddp2["speedup_vs_1_process"] / 2, 3)
-    assert "speedup_vs_1_process" not in rows["single"]
 
     table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
     assert f"noise floor: {report['noise_floor']:.1%}" in table and "Scaling:" in table
@@ -77,6 +76,22 @@ def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_proc
     chart = (tmp_path / "benchmark.png").read_bytes()
     assert chart.startswith(b"\x89PNG") and len(chart) > 10_000
     assert not list(tmp_path.glob(".*tmp*")), "a temporary file was left behind"
+
+
+def test_in_a_sweep_single_runs_once_and_speedups_are_over_it():
+    args = benchmark.parse_args(["--only", "single,ddp", "--nprocs", "1,2", "--repeat", "2"], gpus=0)
+    assert [cell["row"] for cell in benchmark.plan(args, gpus=0)] == ["single", "ddp-n1", "ddp-n2"]
+
+    def row(name, strategy, nprocs, samples_per_second):
+        return {"row": name, "variant": strategy, "strategy": strategy, "nprocs": nprocs, "status": "ok",
+                "samples_per_second": samples_per_second, "relative_spread": None}
+    report = {"rows": [row("single", "single", 1, 100.0), row("ddp-n1", "ddp", 1, 90.0), row("ddp-n2", "ddp", 2, 150.0)]}
+    benchmark.add_figures(report)
+    single, ddp1, ddp2 = report["rows"]
+    assert (single["speedup"], ddp1["speedup"], ddp2["speedup"]) == (1.0, 0.9, 1.5)
+    assert ddp2["speedup_vs_1_process"] == round(150 / 90, 3)
+    assert ddp2["scaling_efficiency"] == round(ddp2["speedup_vs_1_process"] / 2, 3)
+    assert "speedup_vs_1_process" not in single  # one device has no 1-process run of its own to scale from
 
 
 def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy(profiled_benchmark):

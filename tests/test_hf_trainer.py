@@ -93,6 +93,11 @@ def test_deepspeed_through_training_arguments_ends_with_the_single_device_weight
     assert result["zero_stage"] == 2 and result["versions"]["deepspeed"] and result["dev_samples"] == DEV_SAMPLES
     assert result["deepspeed_config"]["gradient_clipping"] == 0.0  # "auto", filled from max_grad_norm=0
     assert_same_weights(single_reference / "model", tmp_path / "model")
+    # Counted where the Trainer's callbacks and the optimizer's step hook see the state: ZeRO-2's
+    # gradient partition, not the whole gradients nor ZeRO's fp32 copy beside its reduce buffer.
+    held, formula = result["model_state_bytes"], result["model_state_formula_bytes"]
+    for part in ("parameters", "gradients", "optimizer_state"):  # up to padding and Adam's step counters
+        assert formula[part] <= held[part] <= formula[part] * 1.01 + 4096, (part, held, formula)
 
 
 def test_what_the_trainer_cannot_do_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
