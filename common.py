@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -44,11 +43,7 @@ def prepare_data(args, strategy):
     train_records, dev_records = split_records(records, args.max_samples, args.dev_ratio, args.seed)
     name = strategy.broadcast_object(models.resolve_model(args.model) if strategy.is_main else None)
     texts = [text for text, _ in train_records]
-    tokenizer, model, model_name, lr = models.load_model(args, texts, name, LABELS)
-    if name == "base-shape" and strategy.is_main:
-        banner = "=" * 78
-        print(f"{banner}\n base-shape: the architecture of {models.HUB_MODEL_ID} (BERT-base), "
-              f"{models.RANDOM_WEIGHTS_BANNER}\n{banner}", file=sys.stderr)
+    tokenizer, model, model_name, lr = models.load_model(args, texts, name, LABELS, announce=strategy.is_main)
     train_set = EncodedDataset(train_records, tokenizer, args.max_seq_len)
     dev_set = EncodedDataset(dev_records, tokenizer, args.max_seq_len)
     return train_set, dev_set, tokenizer, model, model_name, lr
@@ -244,25 +239,6 @@ class Trainer:
         self.threads = set_threads(args.threads, strategy.local_world_size)
         self.native_precision = computes_natively(strategy.precision, strategy.device)
 
-    def log(self, message):
-        if self.strategy.is_main:
-            tqdm.write(message)
-
-    def to_device(self, batch):
-        return {key: value.to(self.strategy.device, non_blocking=True) for key, value in batch.items()}
-
-    def forward(self, batch):
-        """Logits, and this process's part of the global batch's mean loss (computed here, not inside
-        the model, so that every strategy weighs samples the same way)."""
-        with self.strategy.autocast():
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        per_sample = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
-        # The loss-weighting rule (see GlobalBatchSampler): weighted by 1 / (samples in the global
-        # batch), the sums over processes and micro-batches add up to the single-device mean. Every
-        # library here averages the gradients over the processes; multiplying by their count turns
-        # that average into the sum.
-        return logits, (per_sample * batch["weight"]).sum() * self.strategy.world_size
-
     def fit(self):
         """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
         results.announce(self)
@@ -277,27 +253,6 @@ class Trainer:
         metrics = self.evaluate()
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
         return self.write_result(progress, metrics, first_step)
-
-    def write_result(self, progress, metrics, first_step):
-        """result.json, built here for every script: the run's fields, then each callback's own; rank
-        0 prints the report and writes the file."""
-        result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
-        self.notify("on_result", result)
-        results.publish(self, result, metrics)
-        return result
-
-    def notify(self, point, *args):
-        """Call each callback's method for this point of the loop (measure.Callback names them)."""
-        for callback in self.callbacks:
-            getattr(callback, point)(self, *args)
-
-    def epoch_steps(self):
-        """Optimizer steps in --epochs epochs."""
-        return len(self.train_loader.batch_sampler.micro_batches_per_step()) * self.args.epochs
-
-    def total_steps(self):
-        """The steps this run trains: --epochs' worth, or --max-steps when it stops sooner."""
-        return min(self.epoch_steps(), self.args.max_steps or self.epoch_steps())
 
     def train(self, first_step=0):
         """The training loop; returns what it did: seconds, steps, samples and tokens, last loss."""
@@ -395,6 +350,46 @@ class Trainer:
             raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {len(self.dev_loader.dataset)} "
                                f"dev samples in {len(indices)} predictions")
         return results.dev_metrics(predictions, labels, losses, LABELS)
+
+    def forward(self, batch):
+        """Logits, and this process's part of the global batch's mean loss (computed here, not inside
+        the model, so that every strategy weighs samples the same way)."""
+        with self.strategy.autocast():
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        per_sample = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+        # The loss-weighting rule (see GlobalBatchSampler): weighted by 1 / (samples in the global
+        # batch), the sums over processes and micro-batches add up to the single-device mean. Every
+        # library here averages the gradients over the processes; multiplying by their count turns
+        # that average into the sum.
+        return logits, (per_sample * batch["weight"]).sum() * self.strategy.world_size
+
+    def write_result(self, progress, metrics, first_step):
+        """result.json, built here for every script: the run's fields, then each callback's own; rank
+        0 prints the report and writes the file."""
+        result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
+        self.notify("on_result", result)
+        results.publish(self, result, metrics)
+        return result
+
+    def notify(self, point, *args):
+        """Call each callback's method for this point of the loop (measure.Callback names them)."""
+        for callback in self.callbacks:
+            getattr(callback, point)(self, *args)
+
+    def epoch_steps(self):
+        """Optimizer steps in --epochs epochs."""
+        return len(self.train_loader.batch_sampler.micro_batches_per_step()) * self.args.epochs
+
+    def total_steps(self):
+        """The steps this run trains: --epochs' worth, or --max-steps when it stops sooner."""
+        return min(self.epoch_steps(), self.args.max_steps or self.epoch_steps())
+
+    def log(self, message):
+        if self.strategy.is_main:
+            tqdm.write(message)
+
+    def to_device(self, batch):
+        return {key: value.to(self.strategy.device, non_blocking=True) for key, value in batch.items()}
 
 
 def count_tokens(batch):

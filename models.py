@@ -117,9 +117,9 @@ def parameter_count(model):
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-def load_model(args, train_texts, name, labels):
+def load_model(args, train_texts, name, labels, announce=False):
     """Return (tokenizer, model, model name, learning rate) for the resolved --model `name`, with a
-    classification head over `labels`."""
+    classification head over `labels`; with `announce`, say so when its weights are random."""
     overrides = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
                  "label2id": {label: i for i, label in enumerate(labels)}}
     if args.dropout is not None:
@@ -129,6 +129,10 @@ def load_model(args, train_texts, name, labels):
         tokenizer, model = build_tiny_model(train_texts, args.seed, overrides)
     elif name == "base-shape":
         tokenizer, model = build_base_shape_model(train_texts, args.seed, overrides)
+        if announce:
+            banner = "=" * 78
+            print(f"{banner}\n base-shape: the architecture of {HUB_MODEL_ID} (BERT-base), "
+                  f"{RANDOM_WEIGHTS_BANNER}\n{banner}", file=sys.stderr)
     else:
         tokenizer, model = load_pretrained(name, args.seed, overrides)
     max_positions = model.config.max_position_embeddings

@@ -55,9 +55,11 @@ def test_base_shape_has_the_real_models_parameters_and_embedding():
 def test_ddp_at_real_size_holds_what_the_zero_formula_predicts(tmp_path):
     """2 DDP processes, 2 steps: each holds BERT-base's whole model state, 16 bytes per parameter."""
     output = tmp_path / "ddp"
-    run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--master-port", free_port(),
-         "multi-gpu-distributed-cls.py", *SMALL, "--model", "base-shape", "--max-samples", "120", "--dev-ratio", "0.1",
-         "--batch-size", "2", "--max-steps", "2", "--output-dir", str(output)])
+    process = run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--master-port", free_port(),
+                   "multi-gpu-distributed-cls.py", *SMALL, "--model", "base-shape", "--max-samples", "120",
+                   "--dev-ratio", "0.1", "--batch-size", "2", "--max-steps", "2", "--output-dir", str(output)])
+    banner = " base-shape: the architecture of hfl/chinese-bert-wwm-ext (BERT-base), random weights"
+    assert process.stderr.count(banner) == 1  # rank 0 says so, once
     result = read_result(output)
     parameters = bert_classifier_parameters(CONFIG, LABELS)
     assert result["parameters"] == parameters

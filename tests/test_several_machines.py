@@ -70,8 +70,10 @@ INTERFACE = "cluster0"  # the veth end in each node
 # 2 nodes x 1 process x batch 16: the global batch 32 of single_reference. One thread each: the two
 # "machines" share this one's cores.
 TRAIN = [*SMALL, *EXACT, "--batch-size", "16", "--threads", "1"]
+# DeepSpeed at ZeRO-3: the weights sharded across the two hosts (ZeRO-2 at 2 processes: the
+# accumulating run and the Trainer's through TrainingArguments).
 BATCH_FILES = {"torchrun": [], "spawn": [], "srun": [], "accelerate": [],
-               "deepspeed": ["--zero-stage", "2", "--precision", "fp32"]}
+               "deepspeed": ["--zero-stage", "3", "--precision", "fp32"]}
 
 
 @pytest.fixture(scope="session")
@@ -148,6 +150,10 @@ def test_each_batch_file_trains_the_single_device_weights_on_two_nodes(cluster, 
     assert_same_weights(single_reference / "model", output / "model")
     if batch_file == "srun":
         assert result["launcher"] == "srun" and "launcher: srun, one task per process" in log
+    if batch_file == "deepspeed":  # a launcher per host, --no_ssh, the hostfile: DeepSpeed's multi-node launch
+        assert (result["launcher"], result["zero_stage"], result["precision"]) == ("deepspeed", 3, "fp32")
+        left = sorted(path.name for path in output.iterdir() if not path.name.startswith("hostfile-"))  # the job's
+        assert left == ["model", "result.json"]  # the ZeRO-3 shards merged into model/ and removed
 
 
 def rank_process(output_dir, rank):
