@@ -294,8 +294,8 @@ class SuiteLines(ProgressCallback):
 
 class Measurements(TrainerCallback):
     """What common.Trainer measures in its own loop, taken from the Trainer's callbacks: the training
-    loop's seconds (evaluations excluded), samples and tokens, peak memory, the model state before
-    the second optimizer step, DDP's all-reduces (SUITE_COUNT_ALLREDUCES), and the failure the
+    loop's seconds (evaluations excluded), samples and tokens, peak memory, the model state once
+    Adam's moments exist, DDP's all-reduces (SUITE_COUNT_ALLREDUCES), and the failure the
     tests inject (SUITE_FAIL_AT="rank:step")."""
 
     def __init__(self, trainer, strategy, train_loader):
@@ -328,13 +328,16 @@ class Measurements(TrainerCallback):
         self.start = time.perf_counter()
 
     def collect_zero_partitions(self, optimizer, args, kwargs):
-        if self.trainer.state.global_step == 1:
+        if self.model_state.bytes is None:  # a step fp16 skips (its gradients overflowed) never gets here
             self.zero_partitions += [p.grad for group in optimizer.param_groups for p in group["params"]]
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if state.global_step == 1:  # weights, gradients and Adam moments all exist (DeepSpeed's: see above)
-            self.model_state.count(gradients=self.zero_partitions or None)
-            self.zero_partitions = []
+        if self.trainer.is_deepspeed_enabled:
+            if self.zero_partitions and self.model_state.bytes is None:  # after the engine's first update
+                self.model_state.count(gradients=self.zero_partitions)
+                self.zero_partitions = []
+        elif state.global_step == 1:  # before the second step: weights, gradients and Adam moments all exist
+            self.model_state.count()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
