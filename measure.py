@@ -69,7 +69,8 @@ class ModelStateCount(Callback):
     def master_weights(self):
         """DeepSpeed's fp32 partitions, one per parameter group: what its torch optimizer updates."""
         zero = self.zero_optimizer
-        return [*getattr(zero, "single_partition_of_fp32_groups", []), *getattr(zero, "fp32_partitioned_groups_flat", [])]
+        return [*getattr(zero, "single_partition_of_fp32_groups", []),  # ZeRO-1 and 2
+                *getattr(zero, "fp32_partitioned_groups_flat", [])]  # ZeRO-3
 
     def count(self, gradients=None):
         """`gradients`: where the caller saw them (a ZeRO partition per group, at that group's step

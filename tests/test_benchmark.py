@@ -85,7 +85,8 @@ def test_in_a_sweep_single_runs_once_and_speedups_are_over_it():
     def row(name, strategy, nprocs, samples_per_second):
         return {"row": name, "variant": strategy, "strategy": strategy, "nprocs": nprocs, "status": "ok",
                 "samples_per_second": samples_per_second, "relative_spread": None}
-    report = {"rows": [row("single", "single", 1, 100.0), row("ddp-n1", "ddp", 1, 90.0), row("ddp-n2", "ddp", 2, 150.0)]}
+    report = {"rows": [row("single", "single", 1, 100.0), row("ddp-n1", "ddp", 1, 90.0),
+                       row("ddp-n2", "ddp", 2, 150.0)]}
     benchmark.add_figures(report)
     single, ddp1, ddp2 = report["rows"]
     assert (single["speedup"], ddp1["speedup"], ddp2["speedup"]) == (1.0, 0.9, 1.5)
