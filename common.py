@@ -318,8 +318,7 @@ class Trainer:
                 if args.eval_steps and step % args.eval_steps == 0 and step != total_steps:
                     pause = time.perf_counter()
                     metrics = self.evaluate()
-                    if strategy.is_main:
-                        self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
+                    self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
                     self.model.train()
                     paused_seconds += time.perf_counter() - pause
         synchronize(strategy.device)
@@ -333,8 +332,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        """Dev metrics over every dev sample exactly once, whatever the number of processes: each
-        process predicts its share, every process gathers them all, rank 0 scores them (None elsewhere)."""
+        """Dev metrics over every dev sample exactly once, whatever the number of processes."""
         self.model.eval()
         indices, weights, predictions, labels, losses = [], [], [], [], []
         for batch in self.dev_loader:
@@ -351,11 +349,7 @@ class Trainer:
         if not np.array_equal(indices, np.arange(len(self.dev_loader.dataset))):
             raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {len(self.dev_loader.dataset)} "
                                f"dev samples in {len(indices)} predictions")
-        metrics = results.dev_metrics(predictions, labels, losses, LABELS) if self.strategy.is_main else None
-        # The others wait while rank 0 scores. Leaving at once, a DDP process could free its process
-        # group while gloo's thread still releases the gather's tensors: a deadlock at exit.
-        self.strategy.barrier()
-        return metrics
+        return results.dev_metrics(predictions, labels, losses, LABELS)
 
     def forward(self, batch):
         """Logits, and this process's part of the global batch's mean loss (computed here, not inside
@@ -372,8 +366,6 @@ class Trainer:
     def write_result(self, progress, metrics, first_step):
         """result.json, built here for every script: the run's fields, then each callback's own; rank
         0 prints the report and writes the file."""
-        if not self.strategy.is_main:
-            return None
         result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
         self.notify("on_result", result)
         results.publish(self, result, metrics)
@@ -451,9 +443,6 @@ class Strategy:
         """`tensor` from every process, concatenated along dim 0 (same shape on every process)."""
         return tensor
 
-    def barrier(self):
-        """Wait until every process is here."""
-
     def unwrap(self, model):
         return model
 
@@ -526,9 +515,6 @@ class TorchDistributed(Strategy):
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts)
-
-    def barrier(self):
-        dist.barrier()
 
 
 def each_sample_once(indices, weights, *columns):

@@ -147,9 +147,6 @@ class FabricStrategyBase(common.Strategy):
     def is_main(self):
         return self.fabric.is_global_zero
 
-    def barrier(self):
-        self.fabric.barrier()
-
     def broadcast_object(self, value):
         return self.fabric.broadcast(value, src=0)
 

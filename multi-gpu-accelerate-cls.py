@@ -64,9 +64,6 @@ class Accelerate(common.Strategy):
         # gather_for_metrics: it drops repeats only inside the loop of a loader Accelerate prepared.
         return self.accelerator.gather(tensor)
 
-    def barrier(self):
-        self.accelerator.wait_for_everyone()
-
     def broadcast_object(self, value):
         return broadcast_object_list([value])[0]
 

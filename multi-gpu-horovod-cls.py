@@ -49,9 +49,6 @@ class Horovod(common.Strategy):
     def gather(self, tensor):
         return hvd.allgather(tensor)
 
-    def barrier(self):
-        hvd.barrier()
-
     def broadcast_object(self, value):
         # Horovod matches collectives across processes by name, by default the value's type name:
         # rank 0's value and the others' placeholder (None) differ, so name it.
