@@ -52,6 +52,9 @@ sys.path.insert(0, str(ROOT))
 # Two test workers share the cores (test.sh): a waiting OpenMP thread of a launch sleeps instead of
 # spinning on a core the other worker's launch needs. Results do not depend on it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Likewise Horovod's background thread, which otherwise negotiates every millisecond: every 20 ms
+# here. It delays each step's all-reduces by up to that, and changes no result.
+os.environ.setdefault("HOROVOD_CYCLE_TIME", "20")
 
 from spawn_setup import free_port  # noqa: E402  (a launch never meets the rendezvous of an earlier one)
 
@@ -65,9 +68,15 @@ def require(module):
 
 
 def run(command, timeout=600, env=None, check=True):
-    """Run a command from the repository root; on failure show its output in the test report."""
-    process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                             env={**os.environ, **(env or {})})
+    """Run a command from the repository root; on failure or timeout show its output in the test report."""
+    try:
+        process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                                 env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as timeout_expired:
+        streams = [(stream.decode(errors="replace") if isinstance(stream, bytes) else stream or "")[-4000:]
+                   for stream in (timeout_expired.stdout, timeout_expired.stderr)]
+        pytest.fail(f"{' '.join(map(str, command))} still ran after {timeout} s\n"
+                    f"--- stdout\n{streams[0]}\n--- stderr\n{streams[1]}")
     if check and process.returncode != 0:
         pytest.fail(f"{' '.join(map(str, command))} exited {process.returncode}\n"
                     f"--- stdout\n{process.stdout[-4000:]}\n--- stderr\n{process.stderr[-4000:]}")
@@ -198,9 +207,10 @@ def once_per_session(tmp_path_factory, name, launch):
         return pickle.loads(returned.read_bytes())
 
 
-def single_run(tmp_path_factory, batch_size):
+def single_run(tmp_path_factory, batch_size, *options):
     def launch(output):
-        run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", str(batch_size), "--output-dir", str(output)])
+        run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", str(batch_size), *options,
+             "--output-dir", str(output)])
         return output
     return once_per_session(tmp_path_factory, f"single-reference-{batch_size}", launch)
 
@@ -214,20 +224,23 @@ def single_reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def single_33(tmp_path_factory):
     """single-gpu-cls.py at batch 33: what 3 processes x 11 must equal (the last global batch, 2
-    samples, cannot be shared by 3)."""
-    return single_run(tmp_path_factory, 33)
+    samples, cannot be shared by 3). With --max-steps beyond its 11 steps, which must change nothing
+    (test_base_shape.py)."""
+    return single_run(tmp_path_factory, 33, "--max-steps", "1000")
 
 
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory):
-    """ddp_run(accumulation) -> (its process, its output folder): DDP under torchrun, 2 processes at the
-    global batch 32 (16 x 1, or 4 x 4 micro-batches), shuffling and dropout off, its gradient
-    all-reduces counted (tests/hooks.py). The quick tier's DDP check reads the first, test_grad_accum.py
-    the all-reduces of both."""
+    """ddp_run(accumulation) -> (its process, its output folder): DDP, 2 processes at the global batch
+    32 (16 x 1, or 4 x 4 micro-batches), shuffling and dropout off, its gradient all-reduces counted
+    (tests/hooks.py). The first under torchrun (the quick tier's DDP check), the second under the legacy
+    python -m torch.distributed.launch (test_native.py); test_grad_accum.py reads the all-reduces of both."""
+    launchers = {1: [BIN / "torchrun"], 4: [PYTHON, "-m", "torch.distributed.launch"]}
+
     def get(accumulation):
         def launch(output):
             import measure
-            return run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
+            return run([*launchers[accumulation], "--nproc_per_node", "2", "--master_port", free_port(),
                         "multi-gpu-distributed-cls.py", *SMALL, *EXACT, "--grad-accum", str(accumulation),
                         "--batch-size", str(16 // accumulation), "--output-dir", str(output)],
                        env={measure.COUNT_ALLREDUCES_ENV: "1"}), output
@@ -279,7 +292,7 @@ def accumulating_run(tmp_path_factory):
 RESUME = [*SMALL, "--epochs", "2", "--save-steps", "4"]
 RESUMABLE = {
     "single": lambda: [PYTHON, "single-gpu-cls.py"],
-    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py"],
+    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--gpu-ids", "0,1"],  # no GPU: one CPU process
     "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
                     "multi-gpu-distributed-cls.py", "--batch-size", "16"],
     "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "16"],
@@ -292,7 +305,8 @@ RESUMABLE = {
     "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-fsdp-cls.py",
                      "--batch-size", "16"],
     # Under torchrun, which sets what the deepspeed launcher would, so that an exported
-    # DS_ACCELERATOR=cuda (see RESUME_ENV) reaches the script: --device cpu must win over it.
+    # DS_ACCELERATOR=cuda (RESUME_ENV) reaches the script: --device cpu must win over it. (The run
+    # that crashes takes the deepspeed launcher: CRASHING.)
     "deepspeed": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
                           "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--device", "cpu", "--batch-size", "16"],
     "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
@@ -300,13 +314,19 @@ RESUMABLE = {
                            "--batch-size", "16"],
 }
 RESUME_ENV = {"deepspeed": {"DS_ACCELERATOR": "cuda"}}
+# DeepSpeed's run crashes under its own launcher (test_reliability.py reads how it ends the job), and
+# its checkpoint resumes under torchrun.
+CRASHING = {"deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
+                                  "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--device", "cpu",
+                                  "--batch-size", "16"]}
 CrashedRun = collections.namedtuple("CrashedRun", "process seconds orphans output")
 
 
 @pytest.fixture(scope="session")
 def crashed_run(tmp_path_factory):
-    """crashed_run(strategy) -> CrashedRun: how its RESUMABLE run ended (the process, the seconds it
-    took, the pids still running 10 s after) and the folder it left. Tests work on copies."""
+    """crashed_run(strategy) -> CrashedRun: how its RESUMABLE run (CRASHING's, where it has one) ended:
+    the process, the seconds it took, the pids still running 10 s after, and the folder it left.
+    Tests work on copies."""
     def get(strategy):
         if strategy in NEEDS:
             require(NEEDS[strategy])
@@ -314,8 +334,8 @@ def crashed_run(tmp_path_factory):
         def launch(output):
             failing_rank = 0 if strategy in ("single", "dataparallel") else 1
             started = time.monotonic()
-            process = run([*RESUMABLE[strategy](), *RESUME, "--output-dir", str(output)], check=False,
-                          env={"SUITE_FAIL_AT": f"{failing_rank}:10", **RESUME_ENV.get(strategy, {})})
+            process = run([*CRASHING.get(strategy, RESUMABLE[strategy])(), *RESUME, "--output-dir", str(output)],
+                          check=False, env={"SUITE_FAIL_AT": f"{failing_rank}:10"})
             seconds = time.monotonic() - started
             deadline = time.monotonic() + 10
             while processes_mentioning(str(output)) and time.monotonic() < deadline:

@@ -47,6 +47,11 @@ def test_three_processes_end_with_the_single_device_weights(tmp_path, single_33,
     assert result["steps"] == read_result(single_33)["steps"] == 11
     assert result["threads_per_process"] == max(1, machine.usable_cores() // 3)
     assert_same_weights(single_33 / "model", tmp_path / "model")
+    # The model folder holds what predict.py and pipeline() load, as one device's does; nothing else is
+    # left (ZeRO-3's shards merged into it and removed).
+    assert [p.name for p in sorted((tmp_path / "model").iterdir())] == [
+        p.name for p in sorted((single_33 / "model").iterdir())]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
 
 
 def test_the_thread_policy_overrides_the_launchers_setting(tmp_path):

@@ -1,5 +1,6 @@
 """The native PyTorch strategies on CPU with gloo and 2 processes: DataParallel (its CPU fallback),
 DDP under torchrun, the legacy torch.distributed.launch and torch.multiprocessing.spawn, DDP + AMP."""
+import json
 import re
 import subprocess
 
@@ -34,11 +35,13 @@ def test_ddp_under_torchrun_equals_the_single_device_run(ddp_run, single_referen
     assert_same_weights(single_reference / "model", output / "model")
 
 
-def test_ddp_under_the_legacy_launcher(tmp_path):
-    run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", free_port(),
-         "multi-gpu-distributed-cls.py", *SMALL, "--output-dir", str(tmp_path)])
-    result = assert_distributed_result(tmp_path, "ddp", "torch.distributed.launch")
-    assert result["global_batch_size"] == 64 and result["steps"] == 6  # 5 of 64 and one of 12
+def test_ddp_under_the_legacy_launcher_equals_the_single_device_run(ddp_run, single_reference):
+    """python -m torch.distributed.launch, 2 processes x 4 x 4 micro-batches (conftest's ddp_run)."""
+    process, output = ddp_run(4)
+    result = assert_distributed_result(output, "ddp", "torch.distributed.launch")
+    assert result["global_batch_size"] == 32 and result["steps"] == 11  # 10 of 32 and one of 12
+    assert process.stdout.count("耗时：") == 1
+    assert_same_weights(single_reference / "model", output / "model")
 
 
 def test_ddp_under_spawn_equals_the_single_device_run(accumulating_run, single_reference):
@@ -69,15 +72,15 @@ def test_fp16_amp_is_refused_on_cpu_with_a_clear_message():
     assert process.stderr.strip().splitlines()[-1].startswith("error: --precision fp16 needs a GPU")
 
 
-def test_dataparallel_without_gpus_runs_one_cpu_process(tmp_path, single_reference):
-    # SMALL's --device cpu leaves DataParallel no GPU on every machine: --gpu-ids is then ignored.
-    process = run([PYTHON, "multi-gpu-dataparallel-cls.py", *SMALL, *EXACT,
-                   "--gpu-ids", "0,1", "--output-dir", str(tmp_path)])
-    assert "DataParallel needs GPUs" in process.stderr
-    result = read_result(tmp_path)
-    assert (result["strategy"], result["launcher"], result["world_size"]) == ("dataparallel", "python", 1)
-    assert result["dev_samples"] == DEV_SAMPLES and result["device"] == "cpu"
-    assert_same_weights(single_reference / "model", tmp_path / "model")
+def test_dataparallel_without_gpus_runs_one_cpu_process(crashed_run):
+    """conftest's crashed DataParallel run: SMALL's --device cpu leaves it no GPU on every machine, so
+    its --gpu-ids 0,1 is ignored. (Resumed, it ends with the single-device weights: test_resume.py; its
+    accumulating run too: test_grad_accum.py.)"""
+    crashed = crashed_run("dataparallel")
+    assert "DataParallel needs GPUs" in crashed.process.stderr
+    assert "processes: 1 |" in crashed.process.stdout
+    meaning = json.loads((crashed.output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))
+    assert (meaning["world_size"], meaning["global_batch_size"]) == (1, 32)
 
 
 def test_two_nodes_report_and_save_once(tmp_path):

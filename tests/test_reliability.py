@@ -5,11 +5,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, free_port, require, run, run_in_process
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, run_in_process
 
 
 def digest(folder):
@@ -20,8 +19,6 @@ LAUNCH = {
     "torchrun": lambda: [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
                          "multi-gpu-distributed-cls.py"],
     "spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2"],
-    "deepspeed": lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
-                          "multi-gpu-deepspeed-cls.py"],
 }
 
 
@@ -67,10 +64,10 @@ def test_ddp_script_started_without_its_launcher_says_how_to_launch_it():
     assert process.stderr.strip().splitlines()[-1].startswith("error: this script runs under a launcher: torchrun")
 
 
-@pytest.mark.parametrize("strategy", ["horovod", "accelerate", "fsdp"])
+@pytest.mark.parametrize("strategy", ["horovod", "accelerate", "fsdp", "deepspeed"])
 def test_a_failing_rank_ends_the_whole_job_and_is_named(crashed_run, strategy):
-    """conftest's crashed runs: rank 1 failed at step 10. DDP under torchrun and spawn have the same
-    test in test_native.py; DeepSpeed's, under its own launcher, is below."""
+    """conftest's crashed runs, each under its own launcher (DeepSpeed's too): rank 1 failed at step
+    10. DDP under torchrun and spawn have the same test in test_native.py."""
     crashed = crashed_run(strategy)
     assert crashed.process.returncode != 0
     assert crashed.seconds < 240
@@ -78,19 +75,6 @@ def test_a_failing_rank_ends_the_whole_job_and_is_named(crashed_run, strategy):
         crashed.process.stdout + crashed.process.stderr)
     assert crashed.orphans == [], "orphan processes left running"
     assert not (crashed.output / "result.json").exists()
-
-
-def test_a_failing_rank_ends_the_deepspeed_launchers_job_and_is_named(tmp_path):
-    require("deepspeed")
-    started = time.monotonic()
-    process = run([*LAUNCH["deepspeed"](), *SMALL, "--output-dir", str(tmp_path)], env={"SUITE_FAIL_AT": "1:3"},
-                  check=False, timeout=300)
-    assert process.returncode != 0
-    assert time.monotonic() - started < 240
-    assert "error: rank 1 failed: RuntimeError: failure injected by SUITE_FAIL_AT at step 3" in (
-        process.stdout + process.stderr)
-    assert_no_process_left(str(tmp_path))
-    assert not (tmp_path / "result.json").exists()
 
 
 def test_the_injected_failure_is_the_tests_and_names_its_rank_and_step(monkeypatch):

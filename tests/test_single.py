@@ -7,7 +7,7 @@ import cli
 import common
 import models
 from conftest import (DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
-                      read_result, run, small_split)
+                      read_result, run, run_in_process, small_split)
 
 RESULT_KEYS = {"strategy", "launcher", "world_size", "device", "model", "precision", "batch_size_per_process",
                "global_batch_size", "epochs", "train_seconds", "samples_per_second", "peak_memory_mb",
@@ -42,8 +42,9 @@ def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
     # predict.py's label and probability are what transformers' own pipeline finds in the folder, and
     # it joins word-segmented text as training does.
     texts = ["今天天气真好", "气死我了", "气死 我 了"]
-    predicted = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path / "model"), *texts]).stdout
-    lines = predicted.strip().splitlines()
+    predicted = run_in_process(["predict.py", "--checkpoint", str(tmp_path / "model"), *texts])
+    assert predicted.returncode == 0, predicted.stderr
+    lines = predicted.stdout.strip().splitlines()
     expected = transformers.pipeline("text-classification", model=str(tmp_path / "model"), device="cpu")(texts[:2])
     assert len(lines) == 3
     for line, text, truth in zip(lines, texts, expected):
