@@ -349,6 +349,9 @@ class Trainer:
         if not np.array_equal(indices, np.arange(len(self.dev_loader.dataset))):
             raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {len(self.dev_loader.dataset)} "
                                f"dev samples in {len(indices)} predictions")
+        # Every process scores, though only rank 0 reports: a DDP process that left right after the
+        # gather could free its gloo group while gloo's thread still waits for the GIL to free the
+        # gather's tensors, and hang at exit.
         return results.dev_metrics(predictions, labels, losses, LABELS)
 
     def forward(self, batch):

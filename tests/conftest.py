@@ -68,15 +68,21 @@ def require(module):
 
 
 def run(command, timeout=600, env=None, check=True):
-    """Run a command from the repository root; on failure or timeout show its output in the test report."""
-    try:
-        process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                                 env={**os.environ, **(env or {})})
-    except subprocess.TimeoutExpired as timeout_expired:
-        streams = [(stream.decode(errors="replace") if isinstance(stream, bytes) else stream or "")[-4000:]
-                   for stream in (timeout_expired.stdout, timeout_expired.stderr)]
-        pytest.fail(f"{' '.join(map(str, command))} still ran after {timeout} s\n"
-                    f"--- stdout\n{streams[0]}\n--- stderr\n{streams[1]}")
+    """Run a command from the repository root; on failure or timeout show its output in the test report.
+    A launch that times out is killed with every process it started (its own session)."""
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **(env or {})}, start_new_session=True) as launched:
+        try:
+            stdout, stderr = launched.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(launched.pid, signal.SIGKILL)
+            try:
+                stdout, stderr = launched.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a process outside the session holds the pipes
+                stdout, stderr = "", ""
+            pytest.fail(f"{' '.join(map(str, command))} still ran after {timeout} s\n"
+                        f"--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}")
+    process = subprocess.CompletedProcess(command, launched.returncode, stdout, stderr)
     if check and process.returncode != 0:
         pytest.fail(f"{' '.join(map(str, command))} exited {process.returncode}\n"
                     f"--- stdout\n{process.stdout[-4000:]}\n--- stderr\n{process.stderr[-4000:]}")
