@@ -70,22 +70,22 @@ def require(module):
 def run(command, timeout=600, env=None, check=True):
     """Run a command from the repository root; on failure or timeout show its output in the test report.
     A launch that times out is killed with every process it started (its own session)."""
+    problem = None
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**os.environ, **(env or {})}, start_new_session=True) as launched:
         try:
             stdout, stderr = launched.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(launched.pid, signal.SIGKILL)
+            problem = f"still ran after {timeout} s"
             try:
                 stdout, stderr = launched.communicate(timeout=30)
             except subprocess.TimeoutExpired:  # a process outside the session holds the pipes
                 stdout, stderr = "", ""
-            pytest.fail(f"{' '.join(map(str, command))} still ran after {timeout} s\n"
-                        f"--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}")
     process = subprocess.CompletedProcess(command, launched.returncode, stdout, stderr)
-    if check and process.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, command))} exited {process.returncode}\n"
-                    f"--- stdout\n{process.stdout[-4000:]}\n--- stderr\n{process.stderr[-4000:]}")
+    if problem or (check and process.returncode != 0):
+        pytest.fail(f"{' '.join(map(str, command))} {problem or f'exited {process.returncode}'}\n"
+                    f"--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}")
     return process
 
 
@@ -298,7 +298,8 @@ def accumulating_run(tmp_path_factory):
 RESUME = [*SMALL, "--epochs", "2", "--save-steps", "4"]
 RESUMABLE = {
     "single": lambda: [PYTHON, "single-gpu-cls.py"],
-    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--gpu-ids", "0,1"],  # no GPU: one CPU process
+    # --gpu-ids without a GPU: one CPU process (test_native.py)
+    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--gpu-ids", "0,1"],
     "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
                     "multi-gpu-distributed-cls.py", "--batch-size", "16"],
     "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "16"],
