@@ -294,12 +294,14 @@ def accumulating_run(tmp_path_factory):
 # back too; 11 steps per epoch, 22 in all; a checkpoint every 4 steps. A failure injected at step 10
 # (in rank 1 where there are 2 processes) ends the job after the step-8 checkpoint: test_resume.py
 # resumes a copy of each, the failing-rank tests of test_native.py and test_reliability.py read how
-# the job ended.
+# the job ended. One process takes its global batch of 32 in 2 micro-batches of 16, so that a resume
+# must also skip the micro-batches of the steps already taken.
 RESUME = [*SMALL, "--epochs", "2", "--save-steps", "4"]
 RESUMABLE = {
-    "single": lambda: [PYTHON, "single-gpu-cls.py"],
+    "single": lambda: [PYTHON, "single-gpu-cls.py", "--batch-size", "16", "--grad-accum", "2"],
     # --gpu-ids without a GPU: one CPU process (test_native.py)
-    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--gpu-ids", "0,1"],
+    "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--gpu-ids", "0,1", "--batch-size", "16",
+                             "--grad-accum", "2"],
     "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
                     "multi-gpu-distributed-cls.py", "--batch-size", "16"],
     "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "16"],

@@ -52,12 +52,14 @@ def test_base_shape_has_the_real_models_parameters_and_embedding():
     assert torch.equal(model.classifier.weight, again.classifier.weight)  # deterministic from the seed
 
 
-def test_ddp_at_real_size_holds_what_the_zero_formula_predicts(tmp_path):
-    """2 DDP processes, 2 steps: each holds BERT-base's whole model state, 16 bytes per parameter."""
+def test_ddp_at_real_size_holds_what_the_zero_formula_predicts_and_max_steps_stops_it(tmp_path):
+    """2 DDP processes, 2 steps of 2 micro-batches of 1: each holds BERT-base's whole model state, 16
+    bytes per parameter; common.Trainer's loop stops at --max-steps and evaluates."""
     output = tmp_path / "ddp"
     process = run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--master-port", free_port(),
                    "multi-gpu-distributed-cls.py", *SMALL, "--model", "base-shape", "--max-samples", "120",
-                   "--dev-ratio", "0.1", "--batch-size", "2", "--max-steps", "2", "--output-dir", str(output)])
+                   "--dev-ratio", "0.1", "--batch-size", "1", "--grad-accum", "2", "--max-steps", "2",
+                   "--output-dir", str(output)])
     banner = " base-shape: the architecture of hfl/chinese-bert-wwm-ext (BERT-base), random weights"
     assert process.stderr.count(banner) == 1  # rank 0 says so, once
     result = read_result(output)
@@ -68,14 +70,14 @@ def test_ddp_at_real_size_holds_what_the_zero_formula_predicts(tmp_path):
     for part in ("parameters", "gradients", "optimizer_state"):
         assert formula[part] <= held[part] <= formula[part] + 4096, part  # + Adam's step counters
     assert (result["steps"], result["max_steps"], result["stopped_early"]) == (2, 2, True)
-    assert result["samples_trained"] == 2 * result["global_batch_size"]
+    assert result["global_batch_size"] == 4 and result["samples_trained"] == 2 * 4
+    assert result["samples_per_second"] == pytest.approx(result["samples_trained"] / result["train_seconds"], rel=0.01)
     assert result["dev_samples"] == 12  # the whole dev set, evaluated after the early stop
 
 
-@pytest.mark.parametrize("script", ["single-gpu-cls.py", "multi-gpu-transformers-cls.py"])
-def test_max_steps_stops_training_and_evaluates(tmp_path, script):
-    """common.Trainer's loop and transformers.Trainer's (its TrainingArguments.max_steps) stop alike."""
-    run([PYTHON, script, *SMALL, "--max-steps", "3", "--grad-accum", "2", "--batch-size", "8",
+def test_the_hf_trainers_max_steps_stops_training_and_evaluates(tmp_path):
+    """transformers.Trainer's loop (its TrainingArguments.max_steps) stops as common.Trainer's does."""
+    run([PYTHON, "multi-gpu-transformers-cls.py", *SMALL, "--max-steps", "3", "--grad-accum", "2", "--batch-size", "8",
          "--output-dir", str(tmp_path)])
     result = read_result(tmp_path)
     assert (result["steps"], result["max_steps"], result["stopped_early"]) == (3, 3, True)

@@ -34,9 +34,11 @@ def table_line(text, name):
 
 
 def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_process_run(tmp_path):
-    """ddp at 1 and 2 processes, twice each: 4 launches (single's place in a sweep: the test after)."""
+    """ddp at 1 and 2 processes, twice each: 4 launches (single's place in a sweep: the test after).
+    With OMP_NUM_THREADS=1 exported, as torchrun sets it for several processes: the thread policy
+    still gives the one process of ddp-n1 every usable core."""
     process = run([PYTHON, "benchmark.py", "--only", "ddp", "--nprocs", "1,2", "--repeat", "2", *DATA,
-                   "--output-dir", str(tmp_path)], env=CPU_ONLY, timeout=1200)
+                   "--output-dir", str(tmp_path)], env={**CPU_ONLY, "OMP_NUM_THREADS": "1"}, timeout=1200)
     report = load_report(tmp_path)
     assert report["all_succeeded"] is True and report["model"] == "tiny" and report["counts"] == [1, 2]
     rows = {row["row"]: row for row in report["rows"]}
@@ -61,6 +63,8 @@ def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_proc
 
     ddp1, ddp2 = rows["ddp-n1"], rows["ddp-n2"]
     assert (ddp1["processes"], ddp2["processes"], ddp2["global_batch"]) == (1, 2, 64)  # weak scaling
+    cores = machine.usable_cores()
+    assert (ddp1["threads_per_process"], ddp2["threads_per_process"]) == (cores, max(1, cores // 2))
     assert ddp2["speedup"] is None  # no single row to compare with
     assert ddp2["speedup_vs_1_process"] == round(ddp2["samples_per_second"] / ddp1["samples_per_second"], 3)
     assert ddp2["scaling_efficiency"] == round(ddp2["speedup_vs_1_process"] / 2, 3)

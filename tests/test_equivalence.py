@@ -2,7 +2,6 @@
 device x 33, on data whose last global batch (2 samples) cannot be shared by 3 processes and whose
 83 dev samples do not split over them. One launch per strategy checks the weights, the dev count
 and the thread policy."""
-import os
 
 import pytest
 
@@ -52,19 +51,6 @@ def test_three_processes_end_with_the_single_device_weights(tmp_path, single_33,
     assert [p.name for p in sorted((tmp_path / "model").iterdir())] == [
         p.name for p in sorted((single_33 / "model").iterdir())]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
-
-
-def test_the_thread_policy_overrides_the_launchers_setting(tmp_path):
-    """torchrun sets OMP_NUM_THREADS=1; one process on 2 cores still gets both. (That --threads wins
-    over the policy: test_native.py's two nodes of one process each, given --threads 1.)"""
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 cores to tell the policy from the launcher's setting")
-    cores = set(sorted(os.sched_getaffinity(0))[:2])
-    expected = min(2, int(machine.cgroup_cpu_quota() or 2))
-    run(["taskset", "-c", ",".join(map(str, cores)), BIN / "torchrun", "--nproc_per_node", "1", "--master_port",
-         free_port(), "multi-gpu-distributed-cls.py", *SMALL, "--max-samples", "60", "--output-dir", str(tmp_path)],
-        env={"OMP_NUM_THREADS": "1"}, timeout=300)
-    assert read_result(tmp_path)["threads_per_process"] == expected
 
 
 def test_the_cpu_quota_of_a_container_caps_the_cores(tmp_path):

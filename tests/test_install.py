@@ -56,7 +56,9 @@ def test_deepspeeds_cpu_ops_come_built_where_torch_is_a_cpu_build():
 
 
 # Each launcher, one process, the script's --help: the launcher finds the interpreter and the script
-# and passes the script its options (the training itself is the rest of the suite's).
+# and passes the script its options. The quick tier's alone: in the whole suite each launcher trains
+# its script (torchrun, torch.distributed.launch and spawn: test_native.py; deepspeed:
+# test_reliability.py; horovodrun, accelerate launch and fabric run: their own files).
 LAUNCHES = {
     "torchrun": (None, lambda: [BIN / "torchrun", "--nproc_per_node", "1", "--master_port", free_port(),
                                 "multi-gpu-distributed-cls.py"]),
@@ -75,6 +77,7 @@ LAUNCHES = {
 }
 
 
+@pytest.mark.quick_only
 @pytest.mark.parametrize("launcher", LAUNCHES)
 def test_launcher_starts_its_script(launcher):
     library, command = LAUNCHES[launcher]

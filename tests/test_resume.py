@@ -12,8 +12,8 @@ from conftest import (BIN, RESUMABLE, RESUME, RESUME_ENV, ROOT, assert_same_weig
                       run)
 
 # The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
-# The uninterrupted run each resumed one must equal: one device, or 2 processes x 16 (DDP, and every
-# strategy that draws the same dropout masks).
+# The uninterrupted run each resumed one must equal: one device at 16 x 2 micro-batches, or 2
+# processes x 16 (DDP, and every strategy that draws the same dropout masks).
 REFERENCE = {"single": "single", "dataparallel": "single"}
 
 

@@ -74,6 +74,9 @@ TRAIN = [*SMALL, *EXACT, "--batch-size", "16", "--threads", "1"]
 # accumulating run and the Trainer's through TrainingArguments).
 BATCH_FILES = {"torchrun": [], "spawn": [], "srun": [], "accelerate": [],
                "deepspeed": ["--zero-stage", "3", "--precision", "fp32"]}
+# The strategy and launcher each batch file's result names.
+RAN_AS = {"torchrun": ("ddp", "torchrun"), "spawn": ("ddp", "spawn"), "srun": ("ddp", "srun"),
+          "accelerate": ("accelerate", "accelerate launch"), "deepspeed": ("deepspeed", "deepspeed")}
 
 
 @pytest.fixture(scope="session")
@@ -147,13 +150,17 @@ def test_each_batch_file_trains_the_single_device_weights_on_two_nodes(cluster, 
     assert exit_code == 0, log[-4000:]
     result = read_result(output)
     assert (result["world_size"], result["global_batch_size"], result["dev_samples"]) == (2, 32, DEV_SAMPLES)
+    assert (result["strategy"], result["launcher"]) == RAN_AS[batch_file]
     assert_same_weights(single_reference / "model", output / "model")
+    # node2's process is a local rank 0 too: global rank 0 alone reports and saves. --threads 1 wins
+    # over the thread policy, which would give each node's one process all its cores.
+    assert log.count("耗时：") == 1 and result["threads_per_process"] == 1
+    left = sorted(path.name for path in output.iterdir() if not path.name.startswith("hostfile-"))  # DeepSpeed's job's
+    assert left == ["model", "result.json"]  # ZeRO-3's shards too merged into model/ and removed
     if batch_file == "srun":
-        assert result["launcher"] == "srun" and "launcher: srun, one task per process" in log
+        assert "launcher: srun, one task per process" in log
     if batch_file == "deepspeed":  # a launcher per host, --no_ssh, the hostfile: DeepSpeed's multi-node launch
-        assert (result["launcher"], result["zero_stage"], result["precision"]) == ("deepspeed", 3, "fp32")
-        left = sorted(path.name for path in output.iterdir() if not path.name.startswith("hostfile-"))  # the job's
-        assert left == ["model", "result.json"]  # the ZeRO-3 shards merged into model/ and removed
+        assert (result["zero_stage"], result["precision"]) == (3, "fp32")
 
 
 def rank_process(output_dir, rank):
