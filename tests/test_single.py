@@ -14,13 +14,26 @@ RESULT_KEYS = {"strategy", "launcher", "world_size", "device", "model", "precisi
                "dev_loss", "dev_accuracy", "dev_macro_f1", "dev_samples", "versions"}
 
 
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """single-gpu-cls.py as a new user first runs it, with --model auto: without model_hub/'s real
+    model and without the hub (HF_HUB_OFFLINE=1) it falls back to the tiny model. (Where model_hub/
+    holds the real model, --model tiny.)"""
+    output = tmp_path_factory.mktemp("single")
+    model = "tiny" if models.LOCAL_MODEL_DIR.is_dir() else "auto"
+    options = [arg for arg in SMALL if arg not in ("--model", "tiny")]
+    process = run([PYTHON, "single-gpu-cls.py", *options, "--model", model, "--output-dir", str(output)],
+                  env={"HF_HUB_OFFLINE": "1"})
+    return process, output
+
+
 @pytest.mark.quick
-def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
-    process = run([PYTHON, "single-gpu-cls.py", *SMALL, "--output-dir", str(tmp_path)])
+def test_single_device_trains_evaluates_saves_and_predicts(first_run):
+    process, output = first_run
     assert "【train】 epoch：1/1 step：5/11 loss：" in process.stdout + process.stderr
     assert "耗时：" in process.stdout and "samples/s" in process.stdout
 
-    result = read_result(tmp_path)
+    result = read_result(output)
     assert RESULT_KEYS <= result.keys()
     assert result["strategy"] == "single-device" and result["launcher"] == "python"
     assert result["world_size"] == 1 and result["global_batch_size"] == 32 and result["model"] == "tiny"
@@ -28,12 +41,12 @@ def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
     assert result["samples_trained"] == 332 and result["train_seconds"] > 0 and result["peak_memory_mb"] > 0
     assert result["versions"]["torch"] == torch.__version__
     # The reported accuracy is the saved model's: predict.py on the dev texts scores the same.
-    assert abs(predict_dev_accuracy(tmp_path) - result["dev_accuracy"]) < 1e-9
+    assert abs(predict_dev_accuracy(output) - result["dev_accuracy"]) < 1e-9
 
     # The checkpoint is portable: no DDP "module." prefixes, no temporary folders left behind.
-    weights = load_weights(tmp_path / "model")
+    weights = load_weights(output / "model")
     assert not any(key.startswith("module.") for key in weights)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dev.txt", "model", "result.json"]
+    assert sorted(p.name for p in output.iterdir()) == ["dev.txt", "model", "result.json"]
     # ...and it really trained: the weights moved away from the seed's initialisation.
     train, _ = small_split()
     _, initial = models.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
@@ -42,10 +55,10 @@ def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
     # predict.py's label and probability are what transformers' own pipeline finds in the folder, and
     # it joins word-segmented text as training does.
     texts = ["今天天气真好", "气死我了", "气死 我 了"]
-    predicted = run_in_process(["predict.py", "--checkpoint", str(tmp_path / "model"), *texts])
+    predicted = run_in_process(["predict.py", "--checkpoint", str(output / "model"), *texts])
     assert predicted.returncode == 0, predicted.stderr
     lines = predicted.stdout.strip().splitlines()
-    expected = transformers.pipeline("text-classification", model=str(tmp_path / "model"), device="cpu")(texts[:2])
+    expected = transformers.pipeline("text-classification", model=str(output / "model"), device="cpu")(texts[:2])
     assert len(lines) == 3
     for line, text, truth in zip(lines, texts, expected):
         label, probability, echoed = line.split("\t")
@@ -54,14 +67,12 @@ def test_single_device_trains_evaluates_saves_and_predicts(tmp_path):
     assert lines[2].split("\t")[:2] == lines[1].split("\t")[:2]
 
 
-def test_auto_falls_back_to_the_tiny_model_with_a_banner(tmp_path):
+def test_auto_falls_back_to_the_tiny_model_with_a_banner(first_run):
     if models.LOCAL_MODEL_DIR.is_dir():
-        pytest.skip(f"{models.LOCAL_MODEL_DIR} exists, so --model auto uses it")
-    args = [arg for arg in SMALL if arg not in ("--model", "tiny")]
-    process = run([PYTHON, "single-gpu-cls.py", *args, "--model", "auto", "--max-samples", "60",
-                   "--output-dir", str(tmp_path)], env={"HF_HUB_OFFLINE": "1"})
-    assert "using the TINY randomly" in process.stderr
-    assert read_result(tmp_path)["model"] == "tiny"
+        pytest.skip(f"{models.LOCAL_MODEL_DIR} exists, so --model auto would use it")
+    process, output = first_run
+    assert process.stderr.count("using the TINY randomly") == 1
+    assert read_result(output)["model"] == "tiny"
 
 
 def test_gradient_checkpointing_is_switched_on_and_trains_the_same_weights(tmp_path, single_reference):
