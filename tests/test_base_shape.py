@@ -71,7 +71,8 @@ def test_ddp_at_real_size_holds_what_the_zero_formula_predicts_and_max_steps_sto
         assert formula[part] <= held[part] <= formula[part] + 4096, part  # + Adam's step counters
     assert (result["steps"], result["max_steps"], result["stopped_early"]) == (2, 2, True)
     assert result["global_batch_size"] == 4 and result["samples_trained"] == 2 * 4
-    assert result["samples_per_second"] == pytest.approx(result["samples_trained"] / result["train_seconds"], rel=0.01)
+    # result.json rounds it to 2 decimals: at BERT-base's fraction of a sample a second, 2% here.
+    assert result["samples_per_second"] == pytest.approx(result["samples_trained"] / result["train_seconds"], abs=0.006)
     assert result["dev_samples"] == 12  # the whole dev set, evaluated after the early stop
 
 
