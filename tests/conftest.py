@@ -254,26 +254,22 @@ def ddp_run(tmp_path_factory):
     return get
 
 
-# Each strategy at 2 processes x 8 x 2 micro-batches, shuffling and dropout off: the global batch 32 of
-# single_reference. test_grad_accum.py checks every one against it; the strategy's own file reads the
-# same run for what it checks at 2 processes (its launcher, its result, rank 0 alone reporting), and
-# some take a launch path of their own here: Accelerate's config file, FSDP2 keeping the gathered
-# weights from forward to backward.
+# Each strategy at 2 processes x 8 x 2 micro-batches (one device: 16 x 2), shuffling and dropout off:
+# the global batch 32 of single_reference. test_grad_accum.py checks every one against it; the
+# strategy's own file reads the same run for what it checks at 2 processes (its launcher, its result,
+# rank 0 alone reporting), and Accelerate's takes its config file. One device, DeepSpeed's ZeRO-2 (and
+# its other stages) and FSDP2 with the weights kept from forward to backward are the profiled runner's
+# rows (profiled_benchmark), which run the same way.
 ACCUMULATING = {
-    "single": lambda: [PYTHON, "single-gpu-cls.py", "--batch-size", "16"],
     "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--batch-size", "16"],
     "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "8"],
     "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "8",
                         "--precision", "fp32"],
     "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
                         PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "8"],
-    "deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
-                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--batch-size", "8"],
     "accelerate": lambda: [BIN / "accelerate", "launch", "--config_file", "configs/accelerate/multi-gpu.yaml",
                            "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu",
                            "--batch-size", "8"],
-    "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-fsdp-cls.py",
-                     "--no-reshard-after-forward", "--batch-size", "8"],
 }
 NEEDS = {"horovod": "horovod", "deepspeed": "deepspeed", "accelerate": "accelerate"}
 
@@ -354,6 +350,22 @@ def crashed_run(tmp_path_factory):
         return once_per_session(tmp_path_factory, f"crashed-{strategy}", launch)
     return get
 
+@pytest.fixture(scope="session")
+def resumed_run(tmp_path_factory, crashed_run):
+    """resumed_run(strategy) -> (its process, its output folder): a copy of the crashed run's folder,
+    resumed with --resume from its step-8 checkpoint to the end of epoch 2. test_resume.py compares it
+    with the uninterrupted run; test_accelerate.py reads Accelerate's for what its launcher leaves."""
+    def get(strategy):
+        crashed = crashed_run(strategy)
+
+        def launch(folder):
+            output = folder / "output"  # what the run wrote, apart from once_per_session's file
+            shutil.copytree(crashed.output, output, ignore=shutil.ignore_patterns("returned.pickle"))
+            return run([*RESUMABLE[strategy](), *RESUME, "--output-dir", str(output), "--resume"],
+                       env=RESUME_ENV.get(strategy, {})), output
+        return once_per_session(tmp_path_factory, f"resumed-{strategy}", launch)
+    return get
+
 # The rows of the step and memory anatomy, one per sharding stage, each profiled for 3 steps. DeepSpeed's
 # ZeRO-3 keeps weights under 1e5 elements whole in every process: most of the tiny model's. Without that
 # threshold (zero3-sharded-all, a variant of one's own) it shards every weight, as FSDP2 does.
@@ -362,19 +374,24 @@ PROFILED_ROWS = ["single", "ddp", "deepspeed-zero1", "deepspeed-zero2", "zero3-s
 
 @pytest.fixture(scope="session")
 def profiled_benchmark(tmp_path_factory):
-    """benchmark.py over PROFILED_ROWS at 2 processes, with an option for DeepSpeed's rows alone:
-    (output folder, {row: benchmark.json row}). test_anatomy.py reads the anatomy, test_benchmark.py
-    how variants and per-strategy options reach their rows."""
+    """benchmark.py over PROFILED_ROWS at 2 processes x 8 x 2 micro-batches (one device: 16 x 2),
+    shuffling and dropout off, with an option for DeepSpeed's rows alone and FSDP2's weights kept from
+    forward to backward: (output folder, {row: benchmark.json row}). test_anatomy.py reads the anatomy,
+    test_benchmark.py how variants and per-strategy options reach their rows, and test_grad_accum.py
+    each row's weights, single_reference's as every accumulating run's (ACCUMULATING: the others), and
+    DDP's gradient all-reduces, counted (tests/hooks.py)."""
     require("deepspeed")
 
     def launch(output):
+        import measure
         config = output / "zero3.json"
         config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-        run([PYTHON, "benchmark.py", "--only", ",".join(PROFILED_ROWS), "--nprocs", "2", "--profile", "3",
+        run([PYTHON, "benchmark.py", "--only", ",".join(PROFILED_ROWS), "--nprocs", "2", "--global-batch", "32",
+             "--grad-accum", "2", "--profile", "3",
              "--variant", f"zero3-sharded-all=deepspeed:--zero-stage 3 --deepspeed-config {config}",
-             "--strategy-args", "deepspeed=--offload none",
-             "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
-             "--output-dir", str(output)], env=CPU_ONLY, timeout=1200)
+             "--strategy-args", "deepspeed=--offload none", "--strategy-args", "fsdp=--no-reshard-after-forward",
+             "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu", *EXACT,
+             "--output-dir", str(output)], env={**CPU_ONLY, measure.COUNT_ALLREDUCES_ENV: "1"}, timeout=1200)
         return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}
     return once_per_session(tmp_path_factory, "profiled-benchmark", launch)
 

@@ -1,7 +1,7 @@
 """multi-gpu-accelerate-cls.py: 2 CPU processes over gloo, under accelerate launch and under torchrun;
-its checkpoints are Accelerate's save_state, swapped in whole. (That it takes DDP's shuffled global
-batches, epoch after epoch: test_resume.py's Accelerate run, crashed and resumed, ends on the weights
-of DDP's uninterrupted one.)"""
+its checkpoints are Accelerate's save_state, swapped in whole. The accelerate launch runs are conftest's:
+the resumed one (test_resume.py checks that it takes DDP's shuffled global batches, epoch after epoch,
+and ends on the weights of DDP's uninterrupted run) and the accumulating one."""
 import importlib.util
 import json
 import math
@@ -17,16 +17,11 @@ from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_same_weights,
 
 SCRIPT = "multi-gpu-accelerate-cls.py"
 EQUIVALENCE = [*EXACT, "--batch-size", "16"]
-SHUFFLED = ["--dropout", "0", "--epochs", "2"]
 
 
 @pytest.fixture(autouse=True)
 def accelerate_installed():
     require("accelerate")
-
-
-def accelerate_launch(*launch_options, script_options):
-    return run([BIN / "accelerate", "launch", *launch_options, SCRIPT, *SMALL, *script_options], timeout=600)
 
 
 def assert_accelerate_result(result, launcher, global_batch):
@@ -36,32 +31,24 @@ def assert_accelerate_result(result, launcher, global_batch):
     assert result["versions"]["accelerate"]
 
 
-@pytest.fixture(scope="module")
-def shuffled_run(tmp_path_factory):
-    """accelerate launch --multi_gpu, 2 processes, shuffling and length grouping on (the defaults), a
-    checkpoint every 4 steps."""
-    require("accelerate")
-    output = tmp_path_factory.mktemp("accelerate")
-    process = accelerate_launch("--multi_gpu", "--num_processes", "2",
-                                script_options=[*SHUFFLED, "--save-steps", "4", "--output-dir", str(output)])
-    return process, output
-
-
-def test_accelerate_launch_shards_the_data_and_logs_once(shuffled_run):
-    process, output = shuffled_run
+def test_accelerate_launch_shards_the_data_and_logs_once(resumed_run):
+    """conftest's resumed Accelerate run: accelerate launch --multi_gpu, 2 processes x 16, shuffling,
+    length grouping and dropout on (the defaults), from the step-8 checkpoint of the run that crashed
+    to the end of epoch 2, a checkpoint every 4 steps (test_resume.py checks its weights)."""
+    process, output = resumed_run("accelerate")
     assert "accelerate: MULTI_CPU, 2 process(es)" in process.stdout
     result = read_result(output)
-    assert_accelerate_result(result, "accelerate launch", global_batch=64)
-    # 2 epochs of 332 samples in global batches of 64 (5 full, 1 of 12): 12 steps. Unsharded, 22.
-    assert result["steps"] == 12 and result["precision"] == "fp32" and result["samples_trained"] == 664
-    assert process.stdout.count("【train】 epoch：2/2 step：12/12 loss：") == 1  # only rank 0 logs
-    # The step-8 checkpoint: save_state's files (each process its random states) beside the suite's
+    assert_accelerate_result(result, "accelerate launch", global_batch=32)
+    # 2 epochs of 332 samples in global batches of 32 (10 full, 1 of 12): 22 steps. Unsharded, 42.
+    assert result["steps"] == 22 and result["precision"] == "fp32" and result["samples_trained"] == 2 * 332 - 8 * 32
+    assert process.stdout.count("【train】 epoch：2/2 step：22/22 loss：") == 1  # only rank 0 logs
+    # The step-20 checkpoint: save_state's files (each process its random states) beside the suite's
     # state; no staging folder left.
     assert sorted(p.name for p in output.iterdir()) == ["checkpoint", "model", "result.json"]
     assert sorted(p.name for p in (output / "checkpoint").iterdir()) == [
         "meaning.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
         "training_state.pt"]
-    assert json.loads((output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))["step"] == 8
+    assert json.loads((output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))["step"] == 20
     # The inner model, without DDP's "module.": predict.py scores the reported accuracy, transformers'
     # own pipeline loads it.
     assert not any(key.startswith("module.") for key in load_weights(output / "model"))

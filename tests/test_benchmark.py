@@ -102,10 +102,12 @@ def test_in_a_sweep_single_runs_once_and_speedups_are_over_it():
 def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy(profiled_benchmark):
     """conftest's profiled run: DeepSpeed's stages and a variant of one's own beside single and DDP,
     with --strategy-args deepspeed=--offload none (single-gpu-cls.py would refuse --offload, had it
-    leaked there)."""
+    leaked there) and fsdp=--no-reshard-after-forward."""
     output, rows = profiled_benchmark
     assert [row["status"] for row in rows.values()] == ["ok"] * len(rows)
     assert "--offload" not in rows["single"]["command"] and "--offload" not in rows["ddp"]["command"]
+    assert rows["fsdp"]["command"].endswith(" --no-reshard-after-forward")
+    assert not any("--no-reshard-after-forward" in rows[name]["command"] for name in rows if name != "fsdp")
     for stage in (1, 2):
         row = rows[f"deepspeed-zero{stage}"]
         assert row["command"].endswith(f"--offload none --zero-stage {stage}")
@@ -115,7 +117,8 @@ def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy
     assert rows["zero3-sharded-all"]["zero_stage"] == 3
     table = (output / "benchmark.md").read_text(encoding="utf-8")
     assert "noise floor: not measured" in table
-    assert table_line(table, "zero3-sharded-all").startswith("| zero3-sharded-all | 2 | fp32 | 64 |")
+    assert table_line(table, "zero3-sharded-all").startswith(
+        "| zero3-sharded-all | 2 | fp32 | 32 (2 micro-batches) |")
 
 
 def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):

@@ -1,7 +1,8 @@
 """multi-gpu-deepspeed-cls.py under the deepspeed launcher: ZeRO-0 against one device, ZeRO-1 with
-optimizer offload, the options refused before training, the memory estimate. ZeRO-2 at 2 processes is
-conftest's accumulating run (test_grad_accum.py); ZeRO-3's merged checkpoint, test_equivalence.py's
-3 processes and the 2-node cluster's job (test_several_machines.py)."""
+optimizer offload, the options refused before training, the memory estimate. ZeRO-1, 2 and 3 at 2
+processes x 8 x 2 micro-batches, under the deepspeed launcher too, are the profiled runner run's rows
+(test_grad_accum.py); ZeRO-3's merged checkpoint, test_equivalence.py's 3 processes and the 2-node
+cluster's job (test_several_machines.py)."""
 import json
 from pathlib import Path
 

@@ -1,7 +1,8 @@
 """Every strategy is single-device training at the same global batch: 3 processes x 11 against one
 device x 33, on data whose last global batch (2 samples) cannot be shared by 3 processes and whose
 83 dev samples do not split over them. One launch per strategy checks the weights, the dev count
-and the thread policy."""
+and the thread policy. Lightning Fabric's is test_fabric.py's FSDP2 run, the Hugging Face Trainer's
+test_hf_trainer.py's."""
 
 import pytest
 
@@ -27,11 +28,9 @@ LAUNCH = {
                                 "multi-gpu-deepspeed-cls.py", "--zero-stage", "3", "--precision", "fp32"],
     "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "3",
                            "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu"],
-    "fabric": lambda: [BIN / "fabric", "run", "--accelerator", "cpu", "--devices", "3", "--main-port", free_port(),
-                       "multi-gpu-fabric-cls.py"],
 }
 NEEDS = {"horovod": "horovod", "deepspeed-zero1": "deepspeed", "deepspeed-zero3": "deepspeed",
-         "accelerate": "accelerate", "fabric": "lightning_fabric"}
+         "accelerate": "accelerate"}
 
 
 @pytest.mark.parametrize("strategy", list(LAUNCH))

@@ -10,6 +10,7 @@ import transformers
 
 import cli
 import common
+import machine
 import measure
 import models
 from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_no_process_left, assert_same_weights,
@@ -64,14 +65,17 @@ def test_fabric_run_learns_counts_each_dev_sample_once_and_ends_with_the_single_
 
 def test_fsdp2_on_three_processes_ends_with_the_single_device_weights(tmp_path, single_33):
     """Fabric's ModelParallelStrategy (FSDP2) under torchrun, 3 x 11 against one device x 33: the last
-    global batch (2 samples) and the 83 dev samples cannot be shared evenly by 3."""
+    global batch (2 samples) and the 83 dev samples cannot be shared evenly by 3. Fabric's 3-process
+    run of test_equivalence.py's kind (its DDP: the fabric run test above, at 2)."""
     torchrun(3, *EXACT, "--fabric-strategy", "fsdp2", "--batch-size", "11", "--output-dir", str(tmp_path))
     result = read_result(tmp_path)
-    assert result["launcher"] == "torchrun" and result["fabric_strategy"] == "fsdp2"
+    assert result["launcher"] == "torchrun" and result["fabric_strategy"] == "fsdp2" and result["precision"] == "fp32"
     assert result["world_size"] == 3 and result["global_batch_size"] == 33
     assert result["dev_samples"] == DEV_SAMPLES and result["samples_trained"] == 332 and result["steps"] == 11
+    assert result["threads_per_process"] == max(1, machine.usable_cores() // 3)
     assert result["model_state_formula_bytes"]["zero_stage"] == 3  # the weights really are sharded
     assert_same_weights(single_33 / "model", tmp_path / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
 
 
 def test_a_failing_rank_ends_the_whole_job_and_is_named(tmp_path):

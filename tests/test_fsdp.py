@@ -38,9 +38,11 @@ def test_bf16_with_checkpoints_learns_and_saves_a_portable_model(tmp_path):
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meaning.json", "training_state.pt"]
 
 
-def test_weights_kept_from_forward_to_backward_end_with_the_single_device_weights(accumulating_run, single_reference):
-    """--no-reshard-after-forward, 2 processes x 8 x 2 micro-batches (conftest's accumulating run)."""
-    _, output = accumulating_run("fsdp")
+def test_weights_kept_from_forward_to_backward_end_with_the_single_device_weights(profiled_benchmark,
+                                                                                  single_reference):
+    """--no-reshard-after-forward, 2 processes x 8 x 2 micro-batches: the profiled runner run's FSDP2 row."""
+    output, _ = profiled_benchmark
+    output = output / "fsdp"
     result = read_result(output)
     assert result["reshard_after_forward"] is False and result["steps"] == 11
     assert_same_weights(single_reference / "model", output / "model")

@@ -1,11 +1,12 @@
 """--grad-accum in every strategy, each the way its library does it: 2 processes x 8 x 2 micro-batches
 (one device: 16 x 2) end with the weights of one device at 32. The 332 training samples end each
 epoch with a short step of 12: one micro-batch instead of two, the loss still the mean over its 12.
-The runs are conftest's ACCUMULATING, shared with each strategy's own file. (A resumed run skips
-the micro-batches of the steps it has taken: test_resume.py's single and DataParallel runs.)"""
+The runs are conftest's ACCUMULATING, shared with each strategy's own file, and the rows of the
+profiled runner run (one device, DDP, DeepSpeed's stages, FSDP2). (A resumed run skips the
+micro-batches of the steps it has taken: test_resume.py's single and DataParallel runs.)"""
 import pytest
 
-from conftest import ACCUMULATING, assert_same_weights, read_result
+from conftest import ACCUMULATING, PROFILED_ROWS, assert_same_weights, read_result
 
 
 def assert_steps_like_one_device_at_32(output, single_reference):
@@ -22,9 +23,21 @@ def test_accumulating_ends_with_the_single_device_weights(accumulating_run, sing
     assert_steps_like_one_device_at_32(output, single_reference)
 
 
-def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(ddp_run, single_reference):
-    """no_sync(): 4 micro-batches of 4 per process run as many all-reduces as 1 batch of 16 (one per
-    gradient bucket and step), not 4 times as many; the last step has 2 micro-batches (12 samples)."""
-    counts = {accumulation: assert_steps_like_one_device_at_32(ddp_run(accumulation)[1], single_reference)[
-        "gradient_allreduces"] for accumulation in (1, 4)}
-    assert counts[4] == counts[1] >= 11
+@pytest.mark.parametrize("row", PROFILED_ROWS)
+def test_the_runners_accumulating_rows_end_with_the_single_device_weights(profiled_benchmark, single_reference, row):
+    """Last in this file (as the test after): the runner's run is long, and another file may be launching it."""
+    output, rows = profiled_benchmark
+    assert rows[row]["status"] == "ok"
+    assert read_result(output / row)["gradient_accumulation_steps"] == 2
+    assert_steps_like_one_device_at_32(output / row, single_reference)
+
+
+def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(ddp_run, single_reference,
+                                                                           profiled_benchmark):
+    """no_sync(): 4 micro-batches of 4 per process (the legacy launcher's run) run as many all-reduces
+    as 2 of 8 (the runner's DDP row): one per gradient bucket and step, not one per micro-batch; the
+    last step has 2 micro-batches of the first and 1 of the second (12 samples)."""
+    output, _ = profiled_benchmark
+    counts = {accumulation: assert_steps_like_one_device_at_32(run, single_reference)["gradient_allreduces"]
+              for accumulation, run in ((4, ddp_run(4)[1]), (2, output / "ddp"))}
+    assert counts[4] == counts[2] >= 11

@@ -8,8 +8,7 @@ import subprocess
 import pytest
 
 import models
-from conftest import (BIN, RESUMABLE, RESUME, RESUME_ENV, ROOT, assert_same_weights, free_port, read_result,
-                      run)
+from conftest import BIN, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_result, run
 
 # The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
 # The uninterrupted run each resumed one must equal: one device at 16 x 2 micro-batches, or 2
@@ -41,22 +40,21 @@ def crashed_ddp(crashed_run):
 
 
 @pytest.mark.parametrize("strategy", list(RESUMABLE))
-def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(tmp_path, uninterrupted, crashed_run, strategy):
+def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(uninterrupted, crashed_run, resumed_run,
+                                                                      strategy):
     crashed = crashed_run(strategy)
     assert crashed.process.returncode != 0 and not (crashed.output / "result.json").exists(), (
         crashed.process.stderr[-2000:])
-    shutil.copytree(crashed.output, tmp_path, dirs_exist_ok=True)
-    resumed = run([*RESUMABLE[strategy](), *RESUME, "--output-dir", str(tmp_path), "--resume"],
-                  env=RESUME_ENV.get(strategy, {}))
+    resumed, output = resumed_run(strategy)
     assert "--resume: continuing from step 8" in resumed.stdout
-    result = read_result(tmp_path)
+    result = read_result(output)
     assert result["resumed_from_step"] == 8 and result["steps"] == 22 and result["epochs"] == 2
     # Throughput counts what this launch trained: 14 steps, the last of each epoch short (12 samples).
     assert result["samples_trained"] == 2 * 332 - 8 * 32
     assert result["device"] == "cpu"  # DeepSpeed's too, with DS_ACCELERATOR=cuda exported (RESUME_ENV)
     if strategy == "deepspeed":
-        assert (tmp_path / "checkpoint" / "latest").read_text() == "step20"
-    assert_same_weights(uninterrupted(REFERENCE.get(strategy, "ddp")) / "model", tmp_path / "model")
+        assert (output / "checkpoint" / "latest").read_text() == "step20"
+    assert_same_weights(uninterrupted(REFERENCE.get(strategy, "ddp")) / "model", output / "model")
 
 
 def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_path, crashed_ddp):
