@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, SMALL, free_port, read_result, run, small_split
+from conftest import BIN, ROOT, SMALL, free_port, read_result, run, small_split
 
 CONFIG = json.loads((ROOT / "configs" / "models" / "chinese-bert-wwm-ext.json").read_text())["config"]
 LABELS = 6
@@ -77,14 +77,16 @@ def test_ddp_at_real_size_holds_what_the_zero_formula_predicts_and_max_steps_sto
 
 
 def test_the_hf_trainers_max_steps_stops_training_and_evaluates(tmp_path):
-    """transformers.Trainer's loop (its TrainingArguments.max_steps) stops as common.Trainer's does."""
-    run([PYTHON, "multi-gpu-transformers-cls.py", *SMALL, "--max-steps", "3", "--grad-accum", "2", "--batch-size", "8",
+    """transformers.Trainer's loop (its TrainingArguments.max_steps) stops as common.Trainer's does: 2
+    processes x 4 x 2 micro-batches, shuffling, length grouping and dropout on (the defaults)."""
+    run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--master-port", free_port(),
+         "multi-gpu-transformers-cls.py", *SMALL, "--max-steps", "3", "--grad-accum", "2", "--batch-size", "4",
          "--output-dir", str(tmp_path)])
     result = read_result(tmp_path)
     assert (result["steps"], result["max_steps"], result["stopped_early"]) == (3, 3, True)
-    assert result["samples_trained"] == 3 * 16
+    assert result["world_size"] == 2 and result["samples_trained"] == 3 * 16
     assert result["samples_per_second"] == pytest.approx(result["samples_trained"] / result["train_seconds"], rel=0.01)
-    assert result["dev_samples"] == 83
+    assert result["dev_samples"] == 83  # each dev sample once, not once per process
 
 
 def test_max_steps_beyond_the_epochs_trains_the_epochs(single_33):
