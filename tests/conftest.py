@@ -375,11 +375,12 @@ PROFILED_ROWS = ["single", "ddp", "deepspeed-zero1", "deepspeed-zero2", "zero3-s
 @pytest.fixture(scope="session")
 def profiled_benchmark(tmp_path_factory):
     """benchmark.py over PROFILED_ROWS at 2 processes x 8 x 2 micro-batches (one device: 16 x 2),
-    shuffling and dropout off, with an option for DeepSpeed's rows alone and FSDP2's weights kept from
-    forward to backward: (output folder, {row: benchmark.json row}). test_anatomy.py reads the anatomy,
-    test_benchmark.py how variants and per-strategy options reach their rows, and test_grad_accum.py
-    each row's weights, single_reference's as every accumulating run's (ACCUMULATING: the others), and
-    DDP's gradient all-reduces, counted (tests/hooks.py)."""
+    shuffling and dropout off, with an option for DeepSpeed's rows alone, FSDP2's weights kept from
+    forward to backward and one device's activations recomputed in backward (--gradient-checkpointing):
+    (output folder, {row: benchmark.json row}). test_anatomy.py reads the anatomy, test_benchmark.py
+    how variants and per-strategy options reach their rows, test_grad_accum.py each row's weights,
+    single_reference's as every accumulating run's (ACCUMULATING: the others), and DDP's gradient
+    all-reduces, counted (tests/hooks.py); test_single.py that checkpointing trains the same weights."""
     require("deepspeed")
 
     def launch(output):
@@ -390,6 +391,7 @@ def profiled_benchmark(tmp_path_factory):
              "--grad-accum", "2", "--profile", "3",
              "--variant", f"zero3-sharded-all=deepspeed:--zero-stage 3 --deepspeed-config {config}",
              "--strategy-args", "deepspeed=--offload none", "--strategy-args", "fsdp=--no-reshard-after-forward",
+             "--strategy-args", "single=--gradient-checkpointing",
              "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu", *EXACT,
              "--output-dir", str(output)], env={**CPU_ONLY, measure.COUNT_ALLREDUCES_ENV: "1"}, timeout=1200)
         return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}

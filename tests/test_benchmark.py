@@ -102,12 +102,13 @@ def test_in_a_sweep_single_runs_once_and_speedups_are_over_it():
 def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy(profiled_benchmark):
     """conftest's profiled run: DeepSpeed's stages and a variant of one's own beside single and DDP,
     with --strategy-args deepspeed=--offload none (single-gpu-cls.py would refuse --offload, had it
-    leaked there) and fsdp=--no-reshard-after-forward."""
+    leaked there), fsdp=--no-reshard-after-forward and single=--gradient-checkpointing."""
     output, rows = profiled_benchmark
     assert [row["status"] for row in rows.values()] == ["ok"] * len(rows)
     assert "--offload" not in rows["single"]["command"] and "--offload" not in rows["ddp"]["command"]
-    assert rows["fsdp"]["command"].endswith(" --no-reshard-after-forward")
-    assert not any("--no-reshard-after-forward" in rows[name]["command"] for name in rows if name != "fsdp")
+    for row, option in (("fsdp", "--no-reshard-after-forward"), ("single", "--gradient-checkpointing")):
+        assert rows[row]["command"].endswith(f" {option}")
+        assert not any(option in rows[name]["command"] for name in rows if name != row)
     for stage in (1, 2):
         row = rows[f"deepspeed-zero{stage}"]
         assert row["command"].endswith(f"--offload none --zero-stage {stage}")

@@ -6,7 +6,7 @@ import transformers
 import cli
 import common
 import models
-from conftest import (DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
+from conftest import (DEV_SAMPLES, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
                       read_result, run, run_in_process, small_split)
 
 RESULT_KEYS = {"strategy", "launcher", "world_size", "device", "model", "precision", "batch_size_per_process",
@@ -75,13 +75,14 @@ def test_auto_falls_back_to_the_tiny_model_with_a_banner(first_run):
     assert read_result(output)["model"] == "tiny"
 
 
-def test_gradient_checkpointing_is_switched_on_and_trains_the_same_weights(tmp_path, single_reference):
-    """Recomputing the activations in backward saves memory, not results: the same weights as the
+def test_gradient_checkpointing_is_switched_on_and_trains_the_same_weights(profiled_benchmark, single_reference):
+    """Recomputing the activations in backward saves memory, not results: the profiled runner run's
+    one-device row (16 x 2 micro-batches, --gradient-checkpointing) ends with the weights of the
     reference at batch 32, and the model really checkpoints."""
     args = cli.build_parser("single-gpu-cls.py", "").parse_args(["--model", "tiny", "--gradient-checkpointing"])
     train, _ = small_split()
     _, model, _, _ = models.load_model(args, [text for text, _ in train], "tiny", common.LABELS)
     assert model.is_activation_checkpointing
-    run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", "32", "--gradient-checkpointing",
-         "--output-dir", str(tmp_path)])
-    assert_same_weights(single_reference / "model", tmp_path / "model")
+    output, rows = profiled_benchmark
+    assert rows["single"]["command"].endswith(" --gradient-checkpointing")
+    assert_same_weights(single_reference / "model", output / "single" / "model")
