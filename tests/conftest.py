@@ -350,6 +350,7 @@ def crashed_run(tmp_path_factory):
         return once_per_session(tmp_path_factory, f"crashed-{strategy}", launch)
     return get
 
+
 @pytest.fixture(scope="session")
 def resumed_run(tmp_path_factory, crashed_run):
     """resumed_run(strategy) -> (its process, its output folder): a copy of the crashed run's folder,
