@@ -35,9 +35,9 @@ def test_the_runners_accumulating_rows_end_with_the_single_device_weights(profil
 def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(ddp_run, single_reference,
                                                                            profiled_benchmark):
     """no_sync(): 4 micro-batches of 4 per process (the legacy launcher's run) run as many all-reduces
-    as 2 of 8 (the runner's DDP row): one per gradient bucket and step, not one per micro-batch; the
-    last step has 2 micro-batches of the first and 1 of the second (12 samples)."""
+    as 2 of 8 (the runner's DDP row): one per gradient bucket and step, not one per micro-batch. The
+    last step's 12 samples are 2 micro-batches in the first run, 1 in the second."""
     output, _ = profiled_benchmark
-    counts = {accumulation: assert_steps_like_one_device_at_32(run, single_reference)["gradient_allreduces"]
-              for accumulation, run in ((4, ddp_run(4)[1]), (2, output / "ddp"))}
+    counts = {accumulation: assert_steps_like_one_device_at_32(folder, single_reference)["gradient_allreduces"]
+              for accumulation, folder in ((4, ddp_run(4)[1]), (2, output / "ddp"))}
     assert counts[4] == counts[2] >= 11

@@ -26,7 +26,7 @@ def logged_losses(output):
 
 
 @pytest.mark.quick
-@pytest.mark.quick_only  # the whole suite: DDP under torchrun at 3 processes, the runner's row (test_equivalence.py)
+@pytest.mark.quick_only  # the whole suite: DDP under torchrun in the runner's run and at 3 processes
 def test_ddp_under_torchrun_equals_the_single_device_run(ddp_run, single_reference):
     process, output = ddp_run(1)
     assert_distributed_result(output, "ddp", "torchrun")
