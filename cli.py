@@ -115,6 +115,12 @@ def build_parser(script_file, description):
                         help="save a training checkpoint (for --resume) every N steps; 0 = never")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the training checkpoint in --output-dir, if there is one")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the model with torch.compile: its first steps pay the compilation "
+                             "(first_step_seconds in result.json), later ones run fused kernels")
+    parser.add_argument("--tf32", action="store_true",
+                        help="fp32 matrix products on TF32 tensor cores (NVIDIA GPUs from Ampere on): 10 "
+                             "mantissa bits in the products, fp32 everywhere else; default IEEE fp32")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="record STEPS training steps with torch.profiler after 2 warm-up steps: "
                              "<output-dir>/trace.json and milliseconds per phase in result.json (slower)")

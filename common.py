@@ -27,7 +27,7 @@ import measure
 import models
 import results
 from cli import UserError
-from machine import computes_natively, reset_peak_memory, set_threads, synchronize
+from machine import computes_natively, reset_peak_memory, set_threads, synchronize, use_tf32
 
 LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
 
@@ -39,6 +39,7 @@ def prepare_data(args, strategy):
 
     Returns (train set, dev set, tokenizer, model, model name, learning rate).
     """
+    use_tf32(args.tf32, strategy.device)
     records = load_records(args.data)
     train_records, dev_records = split_records(records, args.max_samples, args.dev_ratio, args.seed)
     name = strategy.broadcast_object(models.resolve_model(args.model) if strategy.is_main else None)
@@ -243,10 +244,10 @@ class Trainer:
         """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
         results.announce(self)
         first_step = checkpoints.resume(self)
-        # Measurements beside the loop, called at its named points: the model state always, the
-        # tests' own hooks when a test asks for them, the step profile with --profile.
+        # Measurements beside the loop, called at its named points: the model state and the
+        # throughput always, the tests' own hooks when a test asks for them, the step profile with --profile.
         self.callbacks = [measure.ModelStateCount(self.strategy, self.model, self.optimizer),
-                          *measure.callbacks_for_tests(self)]
+                          measure.Throughput(self), *measure.callbacks_for_tests(self)]
         if self.args.profile:
             self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
         progress = self.train(first_step)
@@ -265,7 +266,7 @@ class Trainer:
         progress = tqdm(total=total_steps, initial=first_step, disable=not strategy.is_main, mininterval=1,
                         dynamic_ncols=True)
         step, paused_seconds, samples = first_step, 0.0, 0
-        tokens = torch.zeros(2, dtype=torch.float64)  # real and computed (padding included), this process
+        self.tokens = torch.zeros(4, dtype=torch.float64)  # count_tokens' four sums, this process
         loss_sum = torch.zeros((), device=strategy.device)
         losses_summed, last_loss = 0, float("nan")
         self.notify("on_train_begin")
@@ -286,7 +287,7 @@ class Trainer:
                 for micro_batch in range(micro_batches):
                     self.notify("on_micro_batch_begin")
                     batch = next(batches)
-                    tokens += count_tokens(batch)
+                    self.tokens += count_tokens(batch)
                     batch = self.to_device(batch)
                     self.notify("on_forward_begin")
                     with strategy.accumulating(self.model, last=micro_batch == micro_batches - 1):
@@ -326,9 +327,8 @@ class Trainer:
         progress.close()
         self.notify("on_train_end")
         # The whole job's tokens: the sum over processes.
-        tokens = strategy.reduce_mean(tokens.to(strategy.device)).cpu() * strategy.world_size
-        return {"seconds": seconds, "steps": step, "samples": samples, "last_loss": last_loss,
-                "real_tokens": tokens[0].item(), "computed_tokens": tokens[1].item()}
+        tokens = strategy.reduce_mean(self.tokens.to(strategy.device)).cpu() * strategy.world_size
+        return {"seconds": seconds, "steps": step, "samples": samples, "last_loss": last_loss, **token_counts(tokens)}
 
     @torch.no_grad()
     def evaluate(self):
@@ -396,9 +396,16 @@ class Trainer:
 
 
 def count_tokens(batch):
-    """Real tokens of the batch's real samples, and tokens computed (padding and repeats included)."""
+    """Real tokens of the batch's real samples; then what the model computes (padding and repeats
+    included): tokens, sequences, and query-key pairs of attention (flops.py turns them into FLOPs)."""
     real = batch["attention_mask"][batch["weight"] > 0].sum()
-    return torch.tensor([real.item(), batch["input_ids"].numel()], dtype=torch.float64)
+    sequences, length = batch["input_ids"].shape
+    return torch.tensor([real.item(), sequences * length, sequences, sequences * length ** 2], dtype=torch.float64)
+
+
+def token_counts(sums):
+    """count_tokens' sums, by name."""
+    return dict(zip(["real_tokens", "computed_tokens", "computed_sequences", "attended_pairs"], sums.tolist()))
 
 
 # ----------------------------------------------------------------------------- strategy and collectives

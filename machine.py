@@ -39,6 +39,16 @@ def check_precision(precision, device):
                         "has no bf16: use --precision fp16 or fp32")
 
 
+def use_tf32(enabled, device):
+    """--tf32: fp32 matrix products on TF32 tensor cores. Refused off NVIDIA GPUs, where it means nothing."""
+    if not enabled:
+        return
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+        raise UserError(f"--tf32 needs an NVIDIA GPU from Ampere on; {where} computes IEEE fp32: leave --tf32 out")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+
+
 def computes_natively(precision, device):
     """Whether the hardware computes `precision` itself. torch has no query for CPUs: read their flags.
     GPUs: bf16 from Ampere (compute capability 8), fp16 tensor cores from Volta (7)."""

@@ -5,11 +5,16 @@ points of its loop, and it adds its fields to result.json. The tests' own hooks 
 callbacks too, loaded only when a test's environment asks for them."""
 import importlib.util
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, record_function
+
+import flops
+from machine import synchronize
 
 
 class Callback:
@@ -113,6 +118,106 @@ class ModelStateCount(Callback):
     def on_result(self, trainer, result):
         result.update(self.result_fields(trainer.strategy.device, result["peak_memory_mb"]))
         result["model_state_formula_bytes"] = zero_formula(trainer.strategy, self.model)
+
+
+class Throughput(Callback):
+    """How fast the steps ran and how close to the device's limit. The first step is timed apart: it
+    pays the one-time costs (torch.compile, loading the kernels of new shapes, the allocator's first
+    blocks), which a user pays once per run. The steady steps follow it: their median, samples/s,
+    tokens/s, model FLOP/s (flops.py, from the shapes each micro-batch computed) and MFU, the FLOP/s
+    per device over the GPU's published dense peak for the precision the run computes in.
+
+    A step's end is marked without waiting for the GPU (CUDA events, read when the loop has ended),
+    so measuring adds no host sync to the loop but one, after the first step.
+    """
+
+    def __init__(self, trainer):
+        self.device = trainer.strategy.device
+        self.first_step, self.first_tokens, self.marks, self.compiled_graphs = None, None, [], None
+
+    def mark(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def on_train_begin(self, trainer):
+        synchronize(self.device)
+        self.start = time.perf_counter()
+
+    def on_step_end(self, trainer, step):
+        if self.first_step is None:
+            synchronize(self.device)
+            self.first_seconds = time.perf_counter() - self.start
+            sampler = trainer.train_loader.batch_sampler
+            sizes = sampler.global_batch_sizes()
+            self.first_step, self.first_samples = step, sizes[(step - 1) % len(sizes)]
+            self.first_tokens = trainer.tokens.clone()
+        self.marks.append(self.mark())
+
+    def on_train_end(self, trainer):
+        synchronize(self.device)
+        self.tokens = trainer.tokens.clone()
+        if trainer.args.compile:  # graphs dynamo compiled while training: each recompile or graph break adds one
+            from torch._dynamo.utils import counters
+            self.compiled_graphs = counters["stats"]["unique_graphs"]
+        if self.device.type == "cuda":
+            self.step_seconds = [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            self.step_seconds = [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    def on_result(self, trainer, result):
+        if self.first_step is None:  # nothing trained (a --resume past the last step)
+            return
+        config = trainer.strategy.unwrap(trainer.model).config
+        model_flops = flops.training_flops(config, *(result[name] for name in WORK))  # the job's
+        # The steady steps' share of the FLOPs, from this process's own counts: exact, whatever the
+        # first batch's length.
+        steady_share = 1 - flops.training_flops(config, *self.first_tokens[1:].tolist()) / flops.training_flops(
+            config, *self.tokens[1:].tolist())
+        steady_seconds = result["train_seconds"] - self.first_seconds
+        devices = len(trainer.strategy.gpus()) * trainer.strategy.world_size if self.device.type == "cuda" else 1
+        steady_flops = model_flops * steady_share / steady_seconds if steady_seconds > 0 else None
+        result.update({
+            "first_step_seconds": round(self.first_seconds, 3),
+            "steady_step_seconds": round(statistics.median(self.step_seconds), 4) if self.step_seconds else None,
+            "steady_samples_per_second": (round((result["samples_trained"] - self.first_samples) / steady_seconds, 2)
+                                          if steady_seconds > 0 else None),
+            "real_tokens_per_second": round(result["real_tokens"] / result["train_seconds"], 1),
+            "computed_tokens_per_second": round(result["computed_tokens"] / result["train_seconds"], 1),
+            "model_flops": model_flops,
+            "model_flops_per_second": round(model_flops / result["train_seconds"]),
+            "steady_model_flops_per_second": round(steady_flops) if steady_flops else None,
+            "compute_precision": compute_precision(trainer),
+            "compiled_graphs": self.compiled_graphs,
+            "devices": devices,
+        })
+        result.update(published_mfu(self.device, result["compute_precision"], steady_flops, devices))
+
+
+WORK = ("computed_tokens", "computed_sequences", "attended_pairs")  # what flops.training_flops counts from
+
+
+def compute_precision(trainer):
+    """What the matrix products compute in: the mixed precision's 16-bit type, else TF32 where --tf32
+    asked for it, else IEEE fp32."""
+    precision = trainer.strategy.precision
+    if precision == "fp32" and trainer.args.tf32:
+        return "tf32"
+    return precision
+
+
+def published_mfu(device, precision, flop_per_second, devices):
+    """MFU against the GPU's published dense peak, or why there is none."""
+    if device.type != "cuda":
+        return {"mfu": None, "mfu_note": f"no published peak for a {device.type}: the runner measures one "
+                                         "(benchmarks/matmul_peak.py)"}
+    peak, source = flops.published_peak(torch.cuda.get_device_name(device), precision)
+    if peak is None:
+        return {"mfu": None, "mfu_note": source}
+    mfu = flops.mfu(flop_per_second and flop_per_second / devices, peak)
+    return {"mfu": round(mfu, 4) if mfu is not None else None, "peak_tflops": peak, "peak_source": source}
 
 
 def zero_formula(strategy, model):

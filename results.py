@@ -57,6 +57,7 @@ def fields(trainer, progress, metrics):
         "model": trainer.model_name,
         "parameters": parameter_count(trainer.model),
         "precision": strategy.precision,
+        "compiled": args.compile,
         "precision_native": trainer.native_precision,
         "batch_size_per_process": args.batch_size,
         "global_batch_size": trainer.global_batch_size,
@@ -72,6 +73,8 @@ def fields(trainer, progress, metrics):
         "samples_per_second": round(progress["samples"] / progress["seconds"], 2),
         "tokens_per_sample": round(progress["real_tokens"] / samples, 2),
         "padded_tokens_per_sample": round((progress["computed_tokens"] - progress["real_tokens"]) / samples, 2),
+        # The job's sums (common.count_tokens): what the throughput and FLOPs are counted from.
+        **{name: progress[name] for name in ("real_tokens", "computed_tokens", "computed_sequences", "attended_pairs")},
         "peak_memory_mb": round(peak_memory_mb(strategy.device), 1),
         "final_train_loss": progress["last_loss"],
         "dev_loss": metrics["loss"],
@@ -83,6 +86,18 @@ def fields(trainer, progress, metrics):
                      "transformers": transformers.__version__, **strategy.versions()},
         **strategy.result_extras(),
     }
+
+
+def throughput_line(result):
+    """The first step apart, then the steady steps: their pace and how close to the device's limit."""
+    mfu = (f"MFU {result['mfu']:.1%} of {result['peak_tflops']:g} TFLOP/s ({result['compute_precision']}, "
+           f"{result['peak_source']})" if result.get("mfu") is not None else f"MFU: {result['mfu_note']}")
+    steady = result["steady_model_flops_per_second"]
+    return (f"first step {result['first_step_seconds']:.2f} s" + (f" (compiling: {result['compiled_graphs']} graphs)" if result["compiled"] else "")
+            + (f", then {result['steady_step_seconds'] * 1000:.1f} ms per step (median), "
+               f"{result['steady_samples_per_second']:.1f} samples/s" if result["steady_step_seconds"] else "")
+            + f" | {result['real_tokens_per_second']:.0f} tokens/s ({result['computed_tokens_per_second']:.0f} "
+            + f"computed) | model {(steady or result['model_flops_per_second']) / 1e12:.3g} TFLOP/s | {mfu}")
 
 
 def report(trainer, result, metrics):
@@ -99,6 +114,8 @@ def report(trainer, result, metrics):
     print(f"training loop only: {result['train_seconds']:.1f} s, {result['samples_per_second']:.1f} samples/s, "
           f"{result['tokens_per_sample']:.1f} tokens + {result['padded_tokens_per_sample']:.1f} padding "
           f"per sample, peak memory {result['peak_memory_mb']:.0f} MB (rank 0)")
+    if "first_step_seconds" in result:
+        print(throughput_line(result))
     if result["stopped_early"]:
         print(f"stopped by --max-steps after {result['steps']} optimizer steps, before the end of "
               f"{result['epochs']} epoch(s): {result['samples_trained']} samples trained")

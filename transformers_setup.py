@@ -196,7 +196,7 @@ class SuiteTrainer(Trainer):
         return self.suite.dev_loader
 
     def create_optimizer(self, model=None):
-        # The suite's AdamW (torch's, not the fused one the Trainer defaults to on torch >= 2.8;
+        # The suite's AdamW (models.make_optimizer: fused where every weight is a plain CUDA tensor;
         # no decay on biases and LayerNorm weights). Built here rather than passed as
         # Trainer(optimizers=...): FSDP refuses a ready optimizer, and DeepSpeed discards it and
         # calls this method (integrations/deepspeed.py, deepspeed_optim_sched).
@@ -302,7 +302,7 @@ class Measurements(TrainerCallback):
         self.trainer, self.strategy = trainer, strategy
         self.global_batch_sizes = train_loader.batch_sampler.global_batch_sizes()
         self.test_hooks = measure.load_test_hooks()  # SUITE_FAIL_AT, SUITE_COUNT_ALLREDUCES: tests/hooks.py
-        self.tokens = torch.zeros(2, dtype=torch.float64)
+        self.tokens = torch.zeros(4, dtype=torch.float64)
         self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
         self.model_state, self.zero_partitions = None, []
         self.start = None
@@ -322,10 +322,13 @@ class Measurements(TrainerCallback):
                                                    self.trainer.torch_optimizer)
         allreduces = self.test_hooks and self.test_hooks.gradient_allreduce_count(self.trainer.model_wrapped)
         # What common.Trainer.write_result asks for each measurement's result.json fields (on_result).
-        self.trainer.suite.callbacks = [self.model_state] + ([allreduces] if allreduces else [])
+        self.throughput = measure.Throughput(self.trainer.suite)
+        self.trainer.suite.tokens = self.tokens  # what the throughput reads of the steps' work
+        self.trainer.suite.callbacks = [self.model_state, self.throughput] + ([allreduces] if allreduces else [])
         machine.reset_peak_memory(self.strategy.device)
         machine.synchronize(self.strategy.device)
         self.start = time.perf_counter()
+        self.throughput.on_train_begin(self.trainer.suite)
 
     def collect_zero_partitions(self, optimizer, args, kwargs):
         if self.model_state.bytes is None:  # a step fp16 skips (its gradients overflowed) never gets here
@@ -341,6 +344,7 @@ class Measurements(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
+        self.throughput.on_step_end(self.trainer.suite, state.global_step)
         if self.test_hooks:
             self.test_hooks.fail_if_asked(self.strategy.rank, state.global_step)
 
@@ -356,9 +360,10 @@ class Measurements(TrainerCallback):
         if state.global_step == state.max_steps:
             machine.synchronize(self.strategy.device)
             self.seconds = time.perf_counter() - self.start - self.paused
+            self.throughput.on_train_end(self.trainer.suite)
 
     def progress(self):
         """What common.Trainer.train returns, for common.Trainer.write_result."""
         tokens = self.strategy.reduce_mean(self.tokens.to(self.strategy.device)).cpu() * self.strategy.world_size
         return {"seconds": self.seconds, "steps": self.trainer.state.global_step, "samples": self.samples,
-                "last_loss": self.last_loss, "real_tokens": tokens[0].item(), "computed_tokens": tokens[1].item()}
+                "last_loss": self.last_loss, **common.token_counts(tokens)}

@@ -5,6 +5,7 @@ import transformers
 
 import cli
 import common
+import flops
 import models
 from conftest import (DEV_SAMPLES, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
                       read_result, run, run_in_process, small_split)
@@ -40,6 +41,25 @@ def test_single_device_trains_evaluates_saves_and_predicts(first_run):
     assert result["dev_samples"] == DEV_SAMPLES and result["steps"] == 11  # 10 batches of 32 and one of 12
     assert result["samples_trained"] == 332 and result["train_seconds"] > 0 and result["peak_memory_mb"] > 0
     assert result["versions"]["torch"] == torch.__version__
+    # The pace against the limit (measure.Throughput): the first step apart, then the steady steps; the
+    # work counted from the shapes the loop computed, recounted here from the sampler's batches.
+    assert result["first_step_seconds"] > 0 and result["steady_step_seconds"] > 0
+    assert result["steady_samples_per_second"] > 0 and result["real_tokens_per_second"] > 0
+    assert "first step " in process.stdout and "TFLOP/s" in process.stdout
+    train, _ = small_split()
+    tokenizer, initial = models.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
+    lengths = [len(ids) for ids in tokenizer([t for t, _ in train], truncation=True, max_length=128)["input_ids"]]
+    sampler = common.GlobalBatchSampler(lengths, 32, seed=123)
+    sampler.set_epoch(1)
+    batches = [[lengths[i] for i in batch] for batch in sampler.global_batches()]
+    assert result["computed_sequences"] == 332 and result["real_tokens"] == sum(lengths)
+    assert result["computed_tokens"] == sum(len(batch) * max(batch) for batch in batches)
+    assert result["attended_pairs"] == sum(len(batch) * max(batch) ** 2 for batch in batches)
+    assert result["model_flops"] == flops.training_flops(initial.config, result["computed_tokens"],
+                                                         result["computed_sequences"], result["attended_pairs"])
+    assert result["compute_precision"] == "fp32" and result["compiled"] is False
+    assert result["mfu"] is None and "matmul_peak.py" in result["mfu_note"]  # a CPU has no published peak
+
     # The reported accuracy is the saved model's: predict.py on the dev texts scores the same.
     assert abs(predict_dev_accuracy(output) - result["dev_accuracy"]) < 1e-9
 
@@ -48,8 +68,6 @@ def test_single_device_trains_evaluates_saves_and_predicts(first_run):
     assert not any(key.startswith("module.") for key in weights)
     assert sorted(p.name for p in output.iterdir()) == ["dev.txt", "model", "result.json"]
     # ...and it really trained: the weights moved away from the seed's initialisation.
-    train, _ = small_split()
-    _, initial = models.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
     assert not torch.allclose(initial.classifier.weight, weights["classifier.weight"])
 
     # predict.py's label and probability are what transformers' own pipeline finds in the folder, and
