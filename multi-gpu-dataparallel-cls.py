@@ -64,6 +64,9 @@ def main():
     parser = cli.build_parser(__file__, __doc__)
     parser.add_argument("--gpu-ids", help="GPUs to use, comma-separated, e.g. 0,1; None = all")
     args = cli.check_args(parser.parse_args())
+    if args.compile:  # refused before any work: DataParallel copies the model anew at every forward
+        raise cli.UserError("--compile: nn.DataParallel replicates the model at every forward, which "
+                            "torch.compile does not support; compile with DDP (multi-gpu-distributed-cls.py)")
     common.set_seed(args.seed)
 
     # 1. One process for all the GPUs: the first GPU named holds the model, receives every batch and
