@@ -53,6 +53,7 @@ from tqdm import tqdm
 import benchmark_report
 import cli
 import files
+import flops
 from spawn_setup import free_port
 
 ROOT = cli.ROOT
@@ -171,6 +172,8 @@ class Variant:
     needs_gpu: bool = False
 
 
+# nn.DataParallel replicates the module at every forward, which torch.compile does not support.
+CANNOT_COMPILE = {"dataparallel"}
 # The default rows are the strategies as their scripts run by default; the others run when named in --only.
 DEFAULT_ROWS = [Variant(name, name, about="the script's defaults") for name in STRATEGIES]
 BUILT_IN_VARIANTS = DEFAULT_ROWS + [
@@ -194,6 +197,10 @@ BUILT_IN_VARIANTS = DEFAULT_ROWS + [
     Variant("fsdp-bf16", "fsdp", ("--precision", "bf16"), "FSDP2 gathering the weights in bf16, fp32 shards"),
     Variant("fsdp-offload", "fsdp", ("--offload",), "FSDP2 with the shards and the optimizer step on the CPU",
             needs_gpu=True),
+    Variant("ddp-tf32", "ddp", ("--tf32",), "fp32 with its matrix products on TF32 tensor cores", needs_gpu=True),
+    *[Variant(f"{name}+compile", name, ("--compile",), "the model compiled with torch.compile")
+      for name in STRATEGIES if name not in CANNOT_COMPILE],
+    Variant("ddp-amp-bf16+compile", "ddp-amp", ("--precision", "bf16", "--compile"), "autocast to bf16, compiled"),
 ]
 
 
@@ -727,6 +734,13 @@ def launch_once(command, run_dir, log_path, timeout):
 
 # ----------------------------------------------------------------------------- the figures
 
+# What each row's result.json says of its pace against the limit (measure.Throughput).
+THROUGHPUT_FIELDS = ("compiled", "compiled_graphs", "compute_precision", "devices", "first_step_seconds", "steady_step_seconds",
+                     "steady_samples_per_second", "real_tokens_per_second", "computed_tokens_per_second",
+                     "model_flops_per_second", "steady_model_flops_per_second", "mfu", "peak_tflops", "peak_source",
+                     "mfu_note")
+
+
 def summarize(cell):
     """The cell's median run by training time (the lower middle one for an even count) and the spread."""
     runs = cell["runs"]
@@ -768,6 +782,7 @@ def summarize(cell):
         "model_state_bytes": chosen.get("model_state_bytes"),
         "model_state_formula_bytes": chosen.get("model_state_formula_bytes"),
         "profile": chosen.get("profile"),
+        **{key: chosen.get(key) for key in THROUGHPUT_FIELDS},
     }
 
 
@@ -792,6 +807,30 @@ def add_figures(report):
             other["row"] for other in rows
             if other is not row and floor is not None and row["speedup"] is not None
             and abs(row["speedup"] - other["speedup"]) / max(row["speedup"], other["speedup"]) < floor]
+
+
+def measure_matmul_peaks(rows, timeout=300):
+    """This machine's achievable matrix-product rate for each device and precision the rows computed in
+    (benchmarks/matmul_peak.py, on all the cores or the first GPU), and each row's MFU against it."""
+    peaks = {}
+    for row in rows:
+        if row["status"] != "ok" or row.get("compute_precision") is None:
+            continue
+        device = "cuda" if row["device"].startswith("cuda") else "cpu"
+        key = f"{device} {row['compute_precision']}"
+        if key not in peaks:
+            command = [sys.executable, str(ROOT / "benchmarks" / "matmul_peak.py"), "--device", device,
+                       "--precision", row["compute_precision"], "--json"]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=True)
+                peaks[key] = json.loads(done.stdout.strip().splitlines()[-1])
+            except (subprocess.SubprocessError, ValueError, IndexError) as error:
+                peaks[key] = {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
+        flop_per_second = row.get("steady_model_flops_per_second")
+        mfu = flops.mfu(flop_per_second and flop_per_second / row["devices"], peaks[key].get("tflops"))
+        if mfu is not None:
+            row["mfu_measured"] = round(mfu, 4)
+    return peaks
 
 
 # ----------------------------------------------------------------------------- the machine and the code
@@ -930,6 +969,9 @@ def main():
 
     run_all(args, cells, model, gpus, after_each)
     report["rows"] = [summarize(cell) for cell in cells]
+    print("measuring the matrix-product peak of each precision the rows computed in (benchmarks/matmul_peak.py)",
+          flush=True)
+    report["matmul_peaks"] = measure_matmul_peaks(report["rows"])
     report["all_succeeded"] = all(row["status"] == "ok" for row in report["rows"])
     write_report(report, args.output_dir, final=True)
     print("\n" + benchmark_report.terminal_report(report))

@@ -22,6 +22,8 @@ MEMORY_COLUMNS = ["row", "processes", "weights MB", "gradients MB", "optimizer s
                   "ZeRO formula MB", "peak MB", "beyond model state MB"]
 PHASE_COLUMNS = ["row", "step ms", "data loading", "forward", "backward", "optimizer step", "exposed comm.",
                  "overlapped comm.", "collectives: ms per step (exposed), phase"]
+THROUGHPUT_COLUMNS = ["row", "computes in", "first step s", "steady step ms", "steady samples/s", "tokens/s",
+                      "model TFLOP/s", "MFU (published peak)", "MFU (measured peak)"]
 MODEL_STATE_PARTS = ("parameters", "gradients", "optimizer_state")
 
 
@@ -95,6 +97,33 @@ def phase_cells(row):
         f"{profile['overlapped_communication_ms']:.1f}", collectives or "none"]
 
 
+def throughput_cells(row):
+    def figure(key, form, scale=1):
+        return form.format(row[key] * scale) if row.get(key) is not None else "n/a"
+    compiled = f", compiled ({row['compiled_graphs']} graphs)" if row.get("compiled") else ""
+    return [row_label(row), f"{row['compute_precision']}{compiled}", figure("first_step_seconds", "{:.2f}"),
+            figure("steady_step_seconds", "{:.1f}", 1000), figure("steady_samples_per_second", "{:.1f}"),
+            figure("real_tokens_per_second", "{:.0f}"), figure("steady_model_flops_per_second", "{:.3f}", 1e-12),
+            figure("mfu", "{:.1%}"), figure("mfu_measured", "{:.1%}")]
+
+
+def throughput_rows(report):
+    return [row for row in report["rows"] if row.get("first_step_seconds") is not None]
+
+
+def peak_lines(report):
+    """What each MFU column divides by."""
+    lines = []
+    for precision, peak in (report.get("matmul_peaks") or {}).items():
+        lines.append(f"measured peak, {precision}: {peak['tflops']:.3f} TFLOP/s" if peak.get("tflops") else
+                     f"measured peak, {precision}: not measured ({peak.get('error')})")
+    published = {(row["compute_precision"], row["peak_tflops"], row["peak_source"])
+                 for row in throughput_rows(report) if row.get("peak_tflops")}
+    lines += [f"published peak, {precision}: {tflops:g} TFLOP/s per GPU ({source})"
+              for precision, tflops, source in sorted(published)]
+    return lines
+
+
 def memory_rows(report):
     return [row for row in report["rows"] if row.get("model_state_bytes")]
 
@@ -153,6 +182,14 @@ MEMORY_LEGEND = ("Model state held by each process at its optimizer step (rank 0
 PHASE_LEGEND = ("Milliseconds per recorded step on rank 0 (--profile): the phases add up to the step. Communication "
                 "that runs while the process computes is overlapped; what the process waits for is exposed, and "
                 "is taken out of the phase that waited.")
+THROUGHPUT_LEGEND = ("The first step is timed apart: it pays the one-time costs (compilation with --compile, "
+                     "loading the kernels of new shapes); a compiled row says how many graphs dynamo compiled while training "
+                     "(each recompile, for a new shape, or graph break adds one). The steady steps follow it: the median step, samples/s and "
+                     "model FLOP/s over them. tokens/s: real tokens (no padding) over the whole loop. Model FLOPs: "
+                     "the matrix products of forward and backward at the shapes computed, padding included (flops.py). "
+                     "MFU: model FLOP/s per device over the device's peak for the precision the row computes in: "
+                     "the GPU's published dense peak, and the matrix-product rate benchmarks/matmul_peak.py "
+                     "measures on this machine (on a CPU, all its cores are the one device the processes share).")
 SCALING_LEGEND = ("speed-up vs 1 process: samples/s over the same row's 1-process run; scaling efficiency: that "
                   "speed-up / processes (100% is ideal).")
 
@@ -168,6 +205,10 @@ def markdown_body(report):
     rows, repeat = report["rows"], report["repeat"]
     text = [f"- {line}" for line in header_lines(report)] + [""]
     text += markdown_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows]) + ["", LEGEND, ""]
+    if throughput_rows(report):
+        text += ["Throughput against the limit:", ""]
+        text += markdown_table(THROUGHPUT_COLUMNS, [throughput_cells(r) for r in throughput_rows(report)])
+        text += [""] + [f"- {line}" for line in peak_lines(report)] + ["", THROUGHPUT_LEGEND, ""]
     if scaling_rows(report):
         text += ["Scaling:", ""] + markdown_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
         text += ["", SCALING_LEGEND, ""]
@@ -198,6 +239,10 @@ def terminal_report(report):
     rows, repeat = report["rows"], report["repeat"]
     text = header_lines(report) + [""] + terminal_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows])
     text += ["", LEGEND]
+    if throughput_rows(report):
+        text += ["", "throughput against the limit:"]
+        text += terminal_table(THROUGHPUT_COLUMNS, [throughput_cells(r) for r in throughput_rows(report)])
+        text += peak_lines(report)
     if scaling_rows(report):
         text += ["", "scaling:"] + terminal_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
     if memory_rows(report):
@@ -244,13 +289,15 @@ def chart(report, path):
 
 def chart_panels(report):
     """Time and dev accuracy per row always; the speed-up per row when there is a single row to
-    compare with; the speed-up against processes for a sweep (--nprocs 1,2,...); the time per step
+    compare with; MFU when a peak is known; the speed-up against processes for a sweep (--nprocs 1,2,...); the time per step
     by phase with --profile; the model state per process. A panel without figures is left out."""
     panels = [time_chart, accuracy_chart]
     if any(row.get("speedup") is not None for row in report["rows"]):
         panels.append(speedup_chart)
     if len(report["counts"]) > 1 and scaling_rows(report):
         panels.append(scaling_chart)
+    if any(row.get("mfu") is not None or row.get("mfu_measured") is not None for row in throughput_rows(report)):
+        panels.append(mfu_chart)
     if phase_rows(report):
         panels.append(phase_chart)
     if memory_rows(report):
@@ -304,6 +351,17 @@ def speedup_chart(axis, report):
     axis.legend(loc="upper right")
     axis.set_ylabel("samples/s over the single row's")
     axis.set_title("speed-up per row (higher is better)", fontsize=9)
+
+
+def mfu_chart(axis, report):
+    rows = report["rows"]
+    published = [100 * (row.get("mfu") or 0) for row in rows]
+    measured = [100 * (row.get("mfu_measured") or 0) for row in rows]
+    row_bars(axis, report, published, offset=-0.2, width=0.4, label="of the published peak")
+    axis.bar([p + 0.2 for p in range(len(rows))], measured, 0.4, label="of the measured matmul peak")
+    axis.set_ylabel("MFU, % (steady steps)")
+    axis.set_title("model FLOPs utilisation per row (higher is better)", fontsize=9)
+    axis.legend(fontsize=8)
 
 
 def scaling_chart(axis, report):
@@ -374,7 +432,7 @@ def published_tables(readme_text):
 def publish(report, output_dir):
     """Copy the run to docs/results/<machine>/ and show its table on docs/benchmark.md, verbatim."""
     # A real-size run keeps its own folder beside the machine's tiny-model benchmark.
-    folder = machine_slug(report["machine"]) + ("-base-shape" if report["model"] == "base-shape" else "")
+    folder = machine_slug(report["machine"]) + ("" if report["model"] == "tiny" else f"-{Path(report['model']).name}")
     target = RESULTS_DIR / folder
     target.mkdir(parents=True, exist_ok=True)
     for name in ("benchmark.md", "benchmark.json", "benchmark.png"):

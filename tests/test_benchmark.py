@@ -120,6 +120,13 @@ def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy
     assert "noise floor: not measured" in table
     assert table_line(table, "zero3-sharded-all").startswith(
         "| zero3-sharded-all | 2 | fp32 | 32 (2 micro-batches) |")
+    # Every row's pace against the limit: its MFU against this CPU's measured matrix-product peak.
+    report = json.loads((output / "benchmark.json").read_text())
+    assert report["matmul_peaks"]["cpu fp32"]["tflops"] > 0
+    for row in rows.values():
+        assert row["first_step_seconds"] > 0 and row["steady_samples_per_second"] > 0
+        assert 0 < row["mfu_measured"] < 1 and row["mfu"] is None
+    assert "Throughput against the limit:" in table and "- measured peak, cpu fp32: " in table
 
 
 def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
@@ -337,12 +344,14 @@ def test_the_chart_draws_only_the_panels_the_run_has_figures_for():
     """A default run has no sweep and no profile: its chart must not show their panels empty."""
     row = {"status": "ok", "speedup": 1.0, "model_state_bytes": {"total": 1}}
     default = {"rows": [row], "counts": [2]}
-    from benchmark_report import (accuracy_chart, chart_panels, memory_chart, phase_chart, scaling_chart,
-                                  speedup_chart, time_chart)
+    from benchmark_report import (accuracy_chart, chart_panels, memory_chart, mfu_chart, phase_chart,
+                                  scaling_chart, speedup_chart, time_chart)
     assert chart_panels(default) == [time_chart, accuracy_chart, speedup_chart, memory_chart]
     swept = {"rows": [{**row, "speedup_vs_1_process": 1.8, "profile": {"phases_ms": {}}}], "counts": [1, 2]}
     assert chart_panels(swept)[-3:] == [scaling_chart, phase_chart, memory_chart]
     assert chart_panels({"rows": [{"status": "failed"}], "counts": [2]}) == [time_chart, accuracy_chart]
+    measured = {"rows": [{**row, "first_step_seconds": 1.0, "mfu_measured": 0.1}], "counts": [2]}
+    assert mfu_chart in chart_panels(measured)
 
 
 def test_the_report_presents_from_the_report_alone():
