@@ -1,39 +1,99 @@
 #!/usr/bin/env bash
-# The GPU check, on a machine with CUDA GPUs: the GPU tests (tests/test_gpu.py), then the benchmark
-# (benchmark.py, what ./run.sh runs) with the offline tiny model, then with the real model when its
-# weights are in model_hub/chinese-bert-wwm-ext. Needs no network and no .venv:
+# The GPU check, on a machine with CUDA GPUs: the GPU tests (tests/test_gpu.py), the benchmark with the
+# offline tiny model, then at real size: the real model when its weights are in model_hub/, else its
+# architecture with random weights (base-shape, no download). At real size every default row runs at one
+# process per GPU, with --compile and without, and the DDP row in each precision (IEEE fp32, TF32, bf16
+# autocast, fp16 autocast with its scaler). Needs no network and no .venv:
 #
-#   scripts/gpu-check.sh                              # tests, tiny, real (each step that can run)
-#   scripts/gpu-check.sh tests                        # only the steps named: tests, tiny, real
+#   scripts/gpu-check.sh --dry-run                    # the plan, its estimate and the commands; any machine
+#   scripts/gpu-check.sh                              # tests, tiny, then real or base-shape
+#   scripts/gpu-check.sh base-shape tests             # only these steps, in this order
+#   scripts/gpu-check.sh --out DIR                    # tables, JSON, charts and every row's log in DIR
+#   scripts/gpu-check.sh --wheels DIR                 # install the wheels in DIR first (DeepSpeed's:
+#                                                     #   scripts/fetch-gpu-wheels.sh DIR fetches them)
 #   scripts/gpu-check.sh tiny -- --max-samples 2000   # options after -- go to benchmark.py
 #   PYTHON=/usr/bin/python3 scripts/gpu-check.sh      # this Python (default: .venv/bin/python, else python3)
 #
-# Where the tables go, beside the committed CPU run docs/results/amd-epyc-2-cores/ (benchmark.py's
-# --publish names the folder after the machine, e.g. 1x-nvidia-h100-80gb-hbm3):
-#   docs/results/<machine>/                        the tiny model (as the CPU run: the two compare)
-#   docs/results/<machine>/chinese-bert-wwm-ext/   the real model
-# and each run's logs and result.json files in output/gpu-check/<tiny|real>/.
-# Rows whose library is not installed (horovod, deepspeed, ...) are left out, and said so.
+# Where the tables go: DIR/<step>/ (default output/gpu-check), and benchmark.py's --publish copies them
+# beside the committed CPU runs: docs/results/<machine>/ (tiny) and docs/results/<machine>-base-shape/
+# (e.g. 1x-nvidia-h100-80gb-hbm3). Rows whose library is not installed are left out, and said so.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 REAL_MODEL=model_hub/chinese-bert-wwm-ext
-WORK=output/gpu-check
+# Sized for one H100 (docs/gpu.md): the tiny rows are launch-bound (about 15 s a launch, its steps take
+# milliseconds), so fewer samples change nothing but the wait; at real size 20 steps of batch 32 give a
+# steady median over 19 steps, and the whole dev set is evaluated as always.
+TINY_OPTIONS=(--model tiny --max-samples 2000)
+REAL_SIZE_OPTIONS=(--max-steps 20)
+# The precision variants of the DDP row, then the compiled variants of every default row but DataParallel,
+# and of bf16 autocast. The first rows answer the check's questions (docs/gpu.md): they run first.
+PRECISION_ROWS=ddp-tf32,ddp-amp-bf16
+COMPILE_ROWS=ddp+compile,ddp-amp-bf16+compile,single+compile,ddp-spawn+compile,ddp-amp+compile,horovod+compile,deepspeed+compile,accelerate+compile,fsdp+compile,hf-trainer+compile,fabric+compile
+FIRST_ROWS=ddp,ddp-tf32,ddp-amp-bf16,ddp-amp,ddp+compile,ddp-amp-bf16+compile
+COMPILE_PRECISIONS=2  # fp32 and bf16 compile cold; fp16's ddp-amp row shares most of bf16's graph
+# Seconds on one H100 (docs/gpu.md): a launch's start, steps, evaluation and save; a cold compilation
+# (once per precision: later compiled rows of that precision find their kernels in the compile cache,
+# and pay the tracing); the tests, which run beside the tiny rows (both launch-bound, the GPU idle).
+LAUNCH_SECONDS_TINY=8 LAUNCH_SECONDS_REAL=10 COLD_COMPILE_SECONDS=40 WARM_COMPILE_SECONDS=5 TESTS_SECONDS=40
 
+dry_run=0
+out=output/gpu-check
+wheels=""
 steps=()
 bench_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --) shift; bench_args=("$@"); break ;;
-        tests|tiny|real) steps+=("$1"); shift ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "error: unknown step '$1': name tests, tiny or real (options for benchmark.py go after --)" >&2
+        --dry-run) dry_run=1; shift ;;
+        --out) out=${2:?--out takes a folder}; shift 2 ;;
+        --wheels) wheels=${2:?--wheels takes a folder of wheels}; shift 2 ;;
+        tests|tiny|base-shape|real) steps+=("$1"); shift ;;
+        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "error: unknown step '$1': name tests, tiny, base-shape or real (options for benchmark.py go after --)" >&2
            exit 2 ;;
     esac
 done
+
+has_weights() {  # a model folder with its config and weights
+    [ -f "$1/config.json" ] && { compgen -G "$1/*.safetensors" > /dev/null || [ -f "$1/pytorch_model.bin" ]; }
+}
 explicit=$((${#steps[@]} > 0))
-[ "$explicit" = 1 ] || steps=(tests tiny real)
-wants() { [[ " ${steps[*]-} " == *" $1 "* ]]; }
+if [ "$explicit" = 0 ]; then
+    steps=(tests tiny)
+    if has_weights "$REAL_MODEL"; then steps+=(real); else steps+=(base-shape); fi
+fi
+
+count() { local IFS=,; set -- $1; echo $#; }
+default_rows=11  # benchmark.py's strategies; a row whose library is missing is left out when it runs
+real_rows=$((default_rows + $(count "$PRECISION_ROWS") + $(count "$COMPILE_ROWS")))
+beside_tiny=0
+[[ " ${steps[*]} " != *" tests "* || " ${steps[*]} " != *" tiny "* ]] || beside_tiny=1
+step_seconds() {
+    case "$1" in
+        tests) [ "$beside_tiny" = 1 ] && echo 0 || echo "$TESTS_SECONDS" ;;
+        tiny) echo $((default_rows * LAUNCH_SECONDS_TINY)) ;;
+        *) echo $((real_rows * LAUNCH_SECONDS_REAL + COMPILE_PRECISIONS * COLD_COMPILE_SECONDS
+                   + $(count "$COMPILE_ROWS") * WARM_COMPILE_SECONDS)) ;;
+    esac
+}
+total=0
+echo "gpu-check plan (estimates for one H100; output in $out/):"
+for step in "${steps[@]}"; do
+    seconds=$(step_seconds "$step")
+    total=$((total + seconds))
+    case "$step" in
+        tests) what="tests/test_gpu.py, 4 tests at a time (pytest-xdist)$([ "$beside_tiny" = 0 ] || echo ", beside the tiny rows")" ;;
+        tiny) what="the $default_rows default rows, tiny model: ${TINY_OPTIONS[*]}" ;;
+        *) what="$real_rows rows at real size (${REAL_SIZE_OPTIONS[*]}): the $default_rows default rows, $PRECISION_ROWS, and each row compiled" ;;
+    esac
+    printf '  %-10s about %3d s  %s\n' "$step" "$seconds" "$what"
+done
+echo "  in all: about $((total / 60)) min $((total % 60)) s"
+echo "on a GPU machine without network, with its own Python and DeepSpeed's wheels fetched here first:"
+echo "  scripts/fetch-gpu-wheels.sh .whl          # here, with network: DeepSpeed and what it needs, for Python 3.12"
+echo "  PYTHON=python3 scripts/gpu-check.sh --wheels .whl --out output/gpu-check   # there"
+[ "$dry_run" = 0 ] || exit 0
 
 # --- which Python: $PYTHON, else the project's .venv, else python3 ---------------------------------
 if [ -n "${PYTHON:-}" ]; then
@@ -46,6 +106,19 @@ fi
 if ! exe=$("$py" -c 'import sys; print(sys.executable)' 2>/dev/null); then
     echo "error: cannot run Python '$py' (set PYTHON to an interpreter with torch)" >&2
     exit 1
+fi
+
+# --- wheels brought along (DeepSpeed on a machine without network) -----------------------------------
+if [ -n "$wheels" ]; then
+    if ! compgen -G "$wheels/*.whl" > /dev/null; then
+        echo "error: no wheels in $wheels (scripts/fetch-gpu-wheels.sh $wheels fetches them)" >&2
+        exit 1
+    fi
+    site=$PWD/$out/site-packages
+    rm -rf "$site"; mkdir -p "$site"
+    "$exe" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+    echo "gpu-check: installed $(ls "$wheels" | grep -c '\.whl$') wheels from $wheels into $site"
 fi
 
 # --- a CUDA GPU, or one clear line ------------------------------------------------------------------
@@ -81,31 +154,20 @@ if [ -n "$missing" ]; then
 fi
 
 failed=()
-mkdir -p "$WORK"
-
-# --- 1. the GPU tests ---------------------------------------------------------------------------------
-if wants tests; then
-    echo; echo "== GPU tests: tests/test_gpu.py"
-    if [ -n "$(missing_modules pytest)" ]; then
-        echo "error: pytest is not installed for $exe: the GPU tests cannot run" >&2
-        failed+=(tests)
-    elif ! "$exe" -m pytest tests/test_gpu.py -rs -q -p no:cacheprovider; then
-        failed+=(tests)
-    fi
-fi
+mkdir -p "$out"
 
 # --- the benchmark's Python: its launchers (torchrun, accelerate, ...) must be beside it ---------------
 # benchmark.py starts each launcher from the folder of the Python running it, as in a venv. A system
-# Python keeps them elsewhere (/usr/local/bin, ~/.local/bin): link the Python and its launchers into
-# one folder, and run the benchmark from there.
+# Python keeps them elsewhere (/usr/local/bin, ~/.local/bin, the wheels' bin/): link the Python and its
+# launchers into one folder, and run the benchmark from there.
 bench_py=$exe
-if wants tiny || wants real; then
+if [[ " ${steps[*]} " == *" tiny "* || " ${steps[*]} " == *" base-shape "* || " ${steps[*]} " == *" real "* ]]; then
     if [ -n "$(missing_modules matplotlib)" ]; then
         echo "error: matplotlib is not installed for $exe: benchmark.py draws its chart with it" >&2
-        failed+=(benchmark)
-        steps=()  # no benchmark step can run
-    elif [ ! -e "$(dirname "$exe")/torchrun" ]; then
-        shim="$PWD/$WORK/bin"
+        exit 1
+    fi
+    if [ ! -e "$(dirname "$exe")/torchrun" ] || [ -n "$wheels" ]; then
+        shim="$PWD/$out/bin"
         rm -rf "$shim"; mkdir -p "$shim"
         ln -s "$exe" "$shim/python"
         "$exe" - "$shim" <<'EOF'
@@ -113,81 +175,87 @@ import os, shutil, sys, sysconfig
 shim = sys.argv[1]
 folders = [sysconfig.get_path("scripts"), sysconfig.get_path("scripts", f"{os.name}_user")]
 for name in ("torchrun", "accelerate", "deepspeed", "horovodrun", "fabric"):
-    found = next((os.path.join(f, name) for f in folders if os.path.exists(os.path.join(f, name))), None)
-    found = found or shutil.which(name)
+    found = shutil.which(name) or next((os.path.join(f, name) for f in folders if os.path.exists(os.path.join(f, name))), None)
     if found:
         os.symlink(found, os.path.join(shim, name))
-print(f"note: the launchers are not beside {sys.executable}: linked into {shim}: "
+print(f"note: the launchers linked beside {sys.executable} in {shim}: "
       + (" ".join(sorted(n for n in os.listdir(shim) if n != "python")) or "none found"))
 EOF
         bench_py="$shim/python"
     fi
 fi
 
-slug=""
-machine_slug() {
-    [ -n "$slug" ] || slug=$("$bench_py" -c 'import benchmark; print(benchmark.machine_slug(benchmark.describe_machine()))')
-    echo "$slug"
-}
-
 # Rows whose Python module is missing (benchmark.py would list them as skipped and exit 1): leave them
 # out, unless the options name the rows themselves.
-row_options=()
+absent=""
 if [[ " ${bench_args[*]-} " != *" --only"* && " ${bench_args[*]-} " != *" --skip"* ]]; then
     absent=$("$bench_py" -c 'import importlib.util, benchmark
-print(",".join(e.name for e in benchmark.STRATEGIES.values() if e.needs and importlib.util.find_spec(e.needs) is None))' \
-        2>/dev/null || true)
-    if [ -n "$absent" ]; then
-        echo "note: leaving out the rows whose library is not installed: $absent"
-        row_options=(--skip "$absent")
-    fi
+print(",".join(v.name for v in benchmark.BUILT_IN_VARIANTS if benchmark.STRATEGIES[v.strategy].needs
+               and importlib.util.find_spec(benchmark.STRATEGIES[v.strategy].needs) is None))' 2>/dev/null || true)
+    [ -z "$absent" ] || echo "note: leaving out the rows whose library is not installed: $absent"
 fi
-
-has_weights() {  # a model folder with its config and weights
-    [ -f "$1/config.json" ] && { compgen -G "$1/*.safetensors" > /dev/null || [ -f "$1/pytorch_model.bin" ]; }
+without_absent() {  # the rows of the comma-separated list $1 that are not in $absent
+    local row rows=()
+    IFS=, read -ra all <<< "$1"
+    for row in "${all[@]}"; do [[ ",$absent," == *",$row,"* ]] || rows+=("$row"); done
+    local IFS=,; echo "${rows[*]}"
 }
 
-benchmark() {  # benchmark.py OUTPUT_DIR [OPTIONS...]
-    local output=$1; shift
+strategies() { "$bench_py" -c 'import benchmark; print(",".join(benchmark.STRATEGIES))'; }
+
+benchmark() {  # STEP [OPTIONS...]: benchmark.py into $out/STEP, published beside the committed runs
+    local step=$1; shift
+    echo; echo "== $step: benchmark.py $*"
     # ${a[@]+"${a[@]}"}: an empty array under set -u, which bash before 4.4 calls unbound
-    "$bench_py" benchmark.py --output-dir "$output" ${row_options[@]+"${row_options[@]}"} "$@" \
-        ${bench_args[@]+"${bench_args[@]}"}
+    "$bench_py" benchmark.py --output-dir "$out/$step" --publish "$@" ${bench_args[@]+"${bench_args[@]}"} \
+        || failed+=("$step")
 }
 
-# --- 2. the benchmark, tiny model ---------------------------------------------------------------------
-if wants tiny; then
-    echo; echo "== benchmark, tiny model"
-    # --publish copies the tables, JSON and chart to docs/results/<machine>/; a published run
-    # repeats each row, so that its noise floor is measured.
-    if benchmark "$WORK/tiny" --model tiny --repeat 2 --publish; then :; else failed+=(tiny); fi
-fi
-
-# --- 3. the benchmark, real model ---------------------------------------------------------------------
-if wants real; then
-    echo; echo "== benchmark, real model ($REAL_MODEL)"
-    if has_weights "$REAL_MODEL"; then
-        status=0
-        benchmark "$WORK/real" --model "$REAL_MODEL" || status=$?
-        target="docs/results/$(machine_slug)/$(basename "$REAL_MODEL")"
-        if [ -f "$WORK/real/benchmark.md" ]; then
-            mkdir -p "$target"
-            for name in benchmark.md benchmark.json benchmark.png; do
-                [ ! -f "$WORK/real/$name" ] || cp "$WORK/real/$name" "$target/"
-            done
-            echo "written: $target/"
-        fi
-        [ "$status" = 0 ] || failed+=(real)
-    elif [ "$explicit" = 1 ]; then
-        echo "error: no weights in $REAL_MODEL (model_hub/README.md says how to get them)" >&2
-        failed+=(real)
-    else
-        echo "skipped: no weights in $REAL_MODEL (model_hub/README.md says how to get them)"
+gpu_tests() {  # tests/test_gpu.py, its output in $out/tests.log
+    if [ -n "$(missing_modules pytest)" ]; then
+        echo "error: pytest is not installed for $exe: the GPU tests cannot run" | tee "$out/tests.log" >&2
+        return 1
     fi
+    local workers=(); [ -n "$(missing_modules xdist)" ] || workers=(-n 4)
+    "$exe" -m pytest tests/test_gpu.py -rs -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} > "$out/tests.log" 2>&1
+}
+
+tests_pid=""
+for step in "${steps[@]}"; do
+    case "$step" in
+        tests)
+            echo; echo "== tests: tests/test_gpu.py (output: $out/tests.log)"
+            if [ "$beside_tiny" = 1 ]; then
+                gpu_tests & tests_pid=$!
+            else
+                gpu_tests || failed+=(tests)
+                tail -n 15 "$out/tests.log"
+            fi
+            ;;
+        tiny)
+            benchmark tiny "${TINY_OPTIONS[@]}" --only "$(without_absent "$(strategies)")"
+            ;;
+        base-shape|real)
+            model=base-shape
+            if [ "$step" = real ]; then
+                has_weights "$REAL_MODEL" || { echo "error: no weights in $REAL_MODEL (model_hub/README.md)" >&2; failed+=(real); continue; }
+                model=$REAL_MODEL
+            fi
+            rows=$FIRST_ROWS,$(strategies),$PRECISION_ROWS,$COMPILE_ROWS  # benchmark.py runs a row named twice once
+            benchmark "$step" --model "$model" "${REAL_SIZE_OPTIONS[@]}" --only "$(without_absent "$rows")"
+            ;;
+    esac
+done
+
+if [ -n "$tests_pid" ]; then
+    echo; echo "== tests: tests/test_gpu.py, run beside the tiny rows (output: $out/tests.log)"
+    wait "$tests_pid" || failed+=(tests)
+    tail -n 15 "$out/tests.log"
 fi
 
 echo
 if [ ${#failed[@]} -gt 0 ]; then
-    echo "gpu-check: failed: ${failed[*]} (the output above says why; logs in $WORK/)" >&2
+    echo "gpu-check: failed: ${failed[*]} (the output above says why; logs in $out/)" >&2
     exit 1
 fi
 echo "gpu-check: all requested steps passed"

@@ -10,7 +10,7 @@ import torch
 
 import deepspeed_setup
 import measure
-from conftest import ROOT
+from conftest import ROOT, run
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 MAIN_THREAD = 1
@@ -141,13 +141,18 @@ def test_fsdp2_offload_joins_a_group_that_carries_cpu_tensors_too():
     assert fsdp_script.group_backend(torch.device("cpu"), offload=False) == "gloo"
 
 
-def test_gpu_check_publishes_only_repeated_runs():
-    """A published run needs a measured noise floor, --repeat 2 or more (tests/test_benchmark.py checks
-    every folder under docs/results/): a GPU check's published run must have one."""
+def test_gpu_check_dry_run_prints_a_plan_under_8_minutes_and_the_command_that_runs_it():
+    """The GPU check is prepared here and run where a GPU is lent for minutes: --dry-run, on any machine,
+    says what it will run, how long that should take on one H100, and how to run it without network."""
     import re
-    lines = [line for line in (ROOT / "scripts" / "gpu-check.sh").read_text().splitlines()
-             if "--publish" in line and not line.lstrip().startswith("#")]
-    assert lines
-    for line in lines:
-        repeat = re.search(r"--repeat (\d+)", line)
-        assert repeat and int(repeat.group(1)) >= 2, line
+    plan = run(["bash", "scripts/gpu-check.sh", "--dry-run"]).stdout
+    steps = re.findall(r"^  (tests|tiny|base-shape|real) +about +(\d+) s", plan, re.M)
+    assert [step for step, _ in steps][:2] == ["tests", "tiny"] and steps[2][0] in ("base-shape", "real")
+    total = re.search(r"in all: about (\d+) min (\d+) s", plan)
+    assert int(total[1]) * 60 + int(total[2]) == sum(int(seconds) for _, seconds in steps) < 8 * 60
+    assert "scripts/fetch-gpu-wheels.sh .whl" in plan and "scripts/gpu-check.sh --wheels .whl" in plan
+    assert "ddp-tf32" in plan and "compiled" in plan
+    chosen = run(["bash", "scripts/gpu-check.sh", "--dry-run", "base-shape", "tests"]).stdout
+    assert re.findall(r"^  (\S+) +about", chosen, re.M) == ["base-shape", "tests"]
+    wrong = run(["bash", "scripts/gpu-check.sh", "bogus"], check=False)
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "unknown step 'bogus'" in wrong.stderr
