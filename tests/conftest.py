@@ -263,8 +263,9 @@ def ddp_run(tmp_path_factory):
 ACCUMULATING = {
     "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--batch-size", "16"],
     "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "8"],
+    # Compiled too: test_compile.py reads it (torch.compile under DDP's no_sync and a short last step).
     "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "8",
-                        "--precision", "fp32"],
+                        "--precision", "fp32", "--compile"],
     "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
                         PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "8"],
     "accelerate": lambda: [BIN / "accelerate", "launch", "--config_file", "configs/accelerate/multi-gpu.yaml",

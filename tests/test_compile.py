@@ -1,26 +1,25 @@
 """--compile: torch.compile'd kernels train the same weights as eager ones, and DataParallel, which
-torch.compile cannot follow, refuses it at once. One compiled launch: DDP, the compile-then-wrap
-order every DDP-based script shares: about 50 s on 2 cores while inductor compiles, under 20 s once
-its cache (/tmp/torchinductor_<user>) holds the kernels."""
-from conftest import (BIN, EXACT, SMALL, assert_same_weights, free_port, read_result, run,
-                      run_in_process)
+torch.compile cannot follow, refuses it at once. The compiled launch is conftest's DDP run of the AMP
+script (the compile-then-wrap order every DDP-based script shares): it costs the suite its compilation,
+about 30 s on 2 cores, less once inductor's cache (/tmp/torchinductor_<user>) holds the kernels."""
+from conftest import SMALL, assert_same_weights, read_result, run_in_process
 
 # The compiled run's largest weight difference from the eager single-device run, measured on 2 CPU
-# cores: 5.3e-6 (inductor's fused kernels sum in another order; eager DDP differs by 3.2e-6). A few
+# cores: 5.3e-6 at 2 x 16, 6.7e-6 at 2 x 8 x 2 micro-batches (inductor's fused kernels sum in another order; eager DDP differs by 3.2e-6). A few
 # times that, and far below the 1e-3 of a sample trained twice or weighed wrongly.
 COMPILED_ATOL = 2e-5
 
 
-def test_compiled_ddp_ends_with_the_eager_single_device_weights(tmp_path, single_reference):
-    """2 processes x 16, compiled, against one eager device x 32 (single_reference), on SMALL's
-    uneven sizes: a short last batch and a dev set that 2 processes do not split evenly."""
-    run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-distributed-cls.py",
-         *SMALL, *EXACT, "--batch-size", "16", "--compile", "--output-dir", str(tmp_path)], timeout=600)
-    result = read_result(tmp_path)
+def test_compiled_ddp_ends_with_the_eager_single_device_weights(accumulating_run, single_reference):
+    """conftest's compiled DDP run (the AMP script in fp32, 2 processes x 8 x 2 micro-batches) against one
+    eager device x 32 (single_reference), on SMALL's uneven sizes: a short last step, a dev set that 2
+    processes do not split evenly."""
+    _, output = accumulating_run("ddp-amp")
+    result = read_result(output)
     assert result["compiled"] is True and result["compiled_graphs"] >= 1 and result["first_step_seconds"] > 0
     assert result["steps"] == read_result(single_reference)["steps"] == 11
     # In place (nn.Module.compile): the saved weights keep their names, no "_orig_mod." prefixes.
-    assert_same_weights(single_reference / "model", tmp_path / "model", atol=COMPILED_ATOL)
+    assert_same_weights(single_reference / "model", output / "model", atol=COMPILED_ATOL)
 
 
 def test_dataparallel_refuses_compile_in_one_line_before_any_work():
