@@ -103,7 +103,7 @@ def throughput_cells(row):
     compiled = f", compiled ({row['compiled_graphs']} graphs)" if row.get("compiled") else ""
     return [row_label(row), f"{row['compute_precision']}{compiled}", figure("first_step_seconds", "{:.2f}"),
             figure("steady_step_seconds", "{:.1f}", 1000), figure("steady_samples_per_second", "{:.1f}"),
-            figure("real_tokens_per_second", "{:.0f}"), figure("steady_model_flops_per_second", "{:.3f}", 1e-12),
+            figure("real_tokens_per_second", "{:.0f}"), figure("steady_model_flops_per_second", "{:.3g}", 1e-12),
             figure("mfu", "{:.1%}"), figure("mfu_measured", "{:.1%}")]
 
 
@@ -184,8 +184,8 @@ PHASE_LEGEND = ("Milliseconds per recorded step on rank 0 (--profile): the phase
                 "is taken out of the phase that waited.")
 THROUGHPUT_LEGEND = ("The first step is timed apart: it pays the one-time costs (compilation with --compile, "
                      "loading the kernels of new shapes); a compiled row says how many graphs dynamo compiled while training "
-                     "(each recompile, for a new shape, or graph break adds one). The steady steps follow it: the median step, samples/s and "
-                     "model FLOP/s over them. tokens/s: real tokens (no padding) over the whole loop. Model FLOPs: "
+                     "(each recompile, for a new shape, or graph break adds one). The steady steps follow it: the median step, and "
+                     "samples/s and model FLOP/s over them (a later recompile counts there, not in the median). tokens/s: real tokens (no padding) over the whole loop. Model FLOPs: "
                      "the matrix products of forward and backward at the shapes computed, padding included (flops.py). "
                      "MFU: model FLOP/s per device over the device's peak for the precision the row computes in: "
                      "the GPU's published dense peak, and the matrix-product rate benchmarks/matmul_peak.py "
