@@ -25,4 +25,4 @@ print(" ".join(f"{n}=={m.version(n)}" for n in ("hjson", "pydantic", "pydantic_c
 "$python" -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$dir" $versions
-echo "fetched into $dir: $(cd "$dir" && ls ./*.whl | xargs -n1 basename | tr '\n' ' ')"
+echo "fetched into $dir:"; for wheel in "$dir"/*.whl; do echo "  ${wheel##*/}"; done

@@ -94,6 +94,7 @@ echo "on a GPU machine without network, with its own Python and DeepSpeed's whee
 echo "  scripts/fetch-gpu-wheels.sh .whl          # here, with network: DeepSpeed and what it needs, for Python 3.12"
 echo "  PYTHON=python3 scripts/gpu-check.sh --wheels .whl --out output/gpu-check   # there"
 [ "$dry_run" = 0 ] || exit 0
+out=$(realpath -m "$out")  # the launches below run from other folders
 
 # --- which Python: $PYTHON, else the project's .venv, else python3 ---------------------------------
 if [ -n "${PYTHON:-}" ]; then
@@ -114,11 +115,11 @@ if [ -n "$wheels" ]; then
         echo "error: no wheels in $wheels (scripts/fetch-gpu-wheels.sh $wheels fetches them)" >&2
         exit 1
     fi
-    site=$PWD/$out/site-packages
+    site=$out/site-packages
     rm -rf "$site"; mkdir -p "$site"
     "$exe" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
-    echo "gpu-check: installed $(ls "$wheels" | grep -c '\.whl$') wheels from $wheels into $site"
+    echo "gpu-check: installed the wheels of $wheels into $site"
 fi
 
 # --- a CUDA GPU, or one clear line ------------------------------------------------------------------
@@ -167,7 +168,7 @@ if [[ " ${steps[*]} " == *" tiny "* || " ${steps[*]} " == *" base-shape "* || " 
         exit 1
     fi
     if [ ! -e "$(dirname "$exe")/torchrun" ] || [ -n "$wheels" ]; then
-        shim="$PWD/$out/bin"
+        shim="$out/bin"
         rm -rf "$shim"; mkdir -p "$shim"
         ln -s "$exe" "$shim/python"
         "$exe" - "$shim" <<'EOF'
@@ -195,10 +196,10 @@ print(",".join(v.name for v in benchmark.BUILT_IN_VARIANTS if benchmark.STRATEGI
     [ -z "$absent" ] || echo "note: leaving out the rows whose library is not installed: $absent"
 fi
 without_absent() {  # the rows of the comma-separated list $1 that are not in $absent
-    local row rows=()
-    IFS=, read -ra all <<< "$1"
-    for row in "${all[@]}"; do [[ ",$absent," == *",$row,"* ]] || rows+=("$row"); done
-    local IFS=,; echo "${rows[*]}"
+    local row named kept=()
+    IFS=, read -ra named <<< "$1"
+    for row in "${named[@]}"; do [[ ",$absent," == *",$row,"* ]] || kept+=("$row"); done
+    local IFS=,; echo "${kept[*]}"
 }
 
 strategies() { "$bench_py" -c 'import benchmark; print(",".join(benchmark.STRATEGIES))'; }
@@ -241,8 +242,8 @@ for step in "${steps[@]}"; do
                 has_weights "$REAL_MODEL" || { echo "error: no weights in $REAL_MODEL (model_hub/README.md)" >&2; failed+=(real); continue; }
                 model=$REAL_MODEL
             fi
-            rows=$FIRST_ROWS,$(strategies),$PRECISION_ROWS,$COMPILE_ROWS  # benchmark.py runs a row named twice once
-            benchmark "$step" --model "$model" "${REAL_SIZE_OPTIONS[@]}" --only "$(without_absent "$rows")"
+            every_row=$FIRST_ROWS,$(strategies),$PRECISION_ROWS,$COMPILE_ROWS  # benchmark.py runs a row named twice once
+            benchmark "$step" --model "$model" "${REAL_SIZE_OPTIONS[@]}" --only "$(without_absent "$every_row")"
             ;;
     esac
 done
