@@ -809,9 +809,10 @@ def add_figures(report):
             and abs(row["speedup"] - other["speedup"]) / max(row["speedup"], other["speedup"]) < floor]
 
 
-def measure_matmul_peaks(rows, timeout=300):
+def measure_matmul_peaks(rows):
     """This machine's achievable matrix-product rate for each device and precision the rows computed in
     (benchmarks/matmul_peak.py, on all the cores or the first GPU), and each row's MFU against it."""
+    from benchmarks import matmul_peak  # imports torch: for the run, not for the planning
     peaks = {}
     for row in rows:
         if row["status"] != "ok" or row.get("compute_precision") is None:
@@ -819,12 +820,9 @@ def measure_matmul_peaks(rows, timeout=300):
         device = "cuda" if row["device"].startswith("cuda") else "cpu"
         key = f"{device} {row['compute_precision']}"
         if key not in peaks:
-            command = [sys.executable, str(ROOT / "benchmarks" / "matmul_peak.py"), "--device", device,
-                       "--precision", row["compute_precision"], "--json"]
             try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=True)
-                peaks[key] = json.loads(done.stdout.strip().splitlines()[-1])
-            except (subprocess.SubprocessError, ValueError, IndexError) as error:
+                peaks[key] = {"tflops": round(matmul_peak.measure(device, row["compute_precision"]), 4)}
+            except (cli.UserError, RuntimeError) as error:
                 peaks[key] = {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
         flop_per_second = row.get("steady_model_flops_per_second")
         mfu = flops.mfu(flop_per_second and flop_per_second / row["devices"], peaks[key].get("tflops"))
