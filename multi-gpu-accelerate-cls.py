@@ -130,7 +130,7 @@ def main():
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile()
+            model.compile(dynamic=True)
 
         # 3. The loaders are sharded as in the DDP script, by this process's index, not by prepare():
         #    to give every process as many batches, prepare() fills a short last global batch with

@@ -69,7 +69,7 @@ def main():
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         model.to(device)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile()
+            model.compile(dynamic=True)
         # 4. DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
         #    gradients during backward(), overlapping the communication with the computation.
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -89,8 +89,8 @@ def main():
 
     train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
     model.to(device)
-    if args.compile:  # --compile: in place (nn.Module.compile), so the weights keep their names
-        model.compile()
+    if args.compile:  # in place, so the weights keep their names; dynamic: one graph for every batch length
+        model.compile(dynamic=True)
     # 2. Horovod does not wrap the model, so nothing else makes the copies start equal: send rank 0's
     #    weights to every process (the seed already agrees here; the broadcast makes it certain).
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -109,7 +109,7 @@ def main():
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile()
+            model.compile(dynamic=True)
         training_args.learning_rate = lr  # for the Trainer's logs; the optimizer is ours (create_optimizer)
 
         # 4. The suite's loaders, sharded by rank as in the DDP script, in place of the Trainer's own
