@@ -735,10 +735,10 @@ def launch_once(command, run_dir, log_path, timeout):
 # ----------------------------------------------------------------------------- the figures
 
 # What each row's result.json says of its pace against the limit (measure.Throughput).
-THROUGHPUT_FIELDS = ("compiled", "compiled_graphs", "compute_precision", "devices", "first_step_seconds", "steady_step_seconds",
-                     "steady_samples_per_second", "real_tokens_per_second", "computed_tokens_per_second",
-                     "model_flops_per_second", "steady_model_flops_per_second", "mfu", "peak_tflops", "peak_source",
-                     "mfu_note")
+THROUGHPUT_FIELDS = ("compiled", "compiled_graphs", "compute_precision", "devices", "first_step_seconds",
+                     "steady_step_seconds", "steady_samples_per_second", "real_tokens_per_second",
+                     "computed_tokens_per_second", "model_flops_per_second", "steady_model_flops_per_second", "mfu",
+                     "peak_tflops", "peak_source", "mfu_note")
 
 
 def summarize(cell):

@@ -100,7 +100,8 @@ def phase_cells(row):
 def throughput_cells(row):
     def figure(key, form, scale=1):
         return form.format(row[key] * scale) if row.get(key) is not None else "n/a"
-    compiled = f", compiled ({row['compiled_graphs']} graphs)" if row.get("compiled") else ""
+    graphs = row.get("compiled_graphs")
+    compiled = f", compiled ({graphs} graph{'s' * (graphs != 1)})" if row.get("compiled") else ""
     return [row_label(row), f"{row['compute_precision']}{compiled}", figure("first_step_seconds", "{:.2f}"),
             figure("steady_step_seconds", "{:.1f}", 1000), figure("steady_samples_per_second", "{:.1f}"),
             figure("real_tokens_per_second", "{:.0f}"), figure("steady_model_flops_per_second", "{:.3g}", 1e-12),
@@ -183,13 +184,14 @@ PHASE_LEGEND = ("Milliseconds per recorded step on rank 0 (--profile): the phase
                 "that runs while the process computes is overlapped; what the process waits for is exposed, and "
                 "is taken out of the phase that waited.")
 THROUGHPUT_LEGEND = ("The first step is timed apart: it pays the one-time costs (compilation with --compile, "
-                     "loading the kernels of new shapes); a compiled row says how many graphs dynamo compiled while training "
-                     "(each recompile, for a new shape, or graph break adds one). The steady steps follow it: the median step, and "
-                     "samples/s and model FLOP/s over them (a later recompile counts there, not in the median). tokens/s: real tokens (no padding) over the whole loop. Model FLOPs: "
-                     "the matrix products of forward and backward at the shapes computed, padding included (flops.py). "
-                     "MFU: model FLOP/s per device over the device's peak for the precision the row computes in: "
-                     "the GPU's published dense peak, and the matrix-product rate benchmarks/matmul_peak.py "
-                     "measures on this machine (on a CPU, all its cores are the one device the processes share).")
+                     "loading the kernels of new shapes); a compiled row says how many graphs dynamo compiled while "
+                     "training (a recompile or a graph break adds one). The steady steps follow it: the median step, "
+                     "and samples/s and model FLOP/s over them (a later recompile counts there, not in the median). "
+                     "tokens/s: real tokens (no padding) over the whole loop. Model FLOPs: the matrix products of "
+                     "forward and backward at the shapes computed, padding included (flops.py). MFU: model FLOP/s per "
+                     "device over the device's peak for the precision the row computes in: the GPU's published dense "
+                     "peak, and the matrix-product rate benchmarks/matmul_peak.py measures on this machine (on a CPU, "
+                     "all its cores are the one device the processes share).")
 SCALING_LEGEND = ("speed-up vs 1 process: samples/s over the same row's 1-process run; scaling efficiency: that "
                   "speed-up / processes (100% is ideal).")
 
@@ -289,8 +291,9 @@ def chart(report, path):
 
 def chart_panels(report):
     """Time and dev accuracy per row always; the speed-up per row when there is a single row to
-    compare with; MFU when a peak is known; the speed-up against processes for a sweep (--nprocs 1,2,...); the time per step
-    by phase with --profile; the model state per process. A panel without figures is left out."""
+    compare with; MFU when a peak is known; the speed-up against processes for a sweep (--nprocs
+    1,2,...); the time per step by phase with --profile; the model state per process. A panel without
+    figures is left out."""
     panels = [time_chart, accuracy_chart]
     if any(row.get("speedup") is not None for row in report["rows"]):
         panels.append(speedup_chart)

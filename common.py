@@ -39,7 +39,7 @@ def prepare_data(args, strategy):
 
     Returns (train set, dev set, tokenizer, model, model name, learning rate).
     """
-    use_tf32(args.tf32, strategy.device)
+    use_tf32(args.tf32, strategy.device)  # before any model is built, or compiled
     records = load_records(args.data)
     train_records, dev_records = split_records(records, args.max_samples, args.dev_ratio, args.seed)
     name = strategy.broadcast_object(models.resolve_model(args.model) if strategy.is_main else None)

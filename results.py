@@ -93,7 +93,9 @@ def throughput_line(result):
     mfu = (f"MFU {result['mfu']:.1%} of {result['peak_tflops']:g} TFLOP/s ({result['compute_precision']}, "
            f"{result['peak_source']})" if result.get("mfu") is not None else f"MFU: {result['mfu_note']}")
     steady = result["steady_model_flops_per_second"]
-    return (f"first step {result['first_step_seconds']:.2f} s" + (f" (compiling: {result['compiled_graphs']} graphs)" if result["compiled"] else "")
+    graphs = result["compiled_graphs"]
+    return (f"first step {result['first_step_seconds']:.2f} s"
+            + (f" (compiling: {graphs} graph{'s' * (graphs != 1)})" if result["compiled"] else "")
             + (f", then {result['steady_step_seconds'] * 1000:.1f} ms per step (median), "
                f"{result['steady_samples_per_second']:.1f} samples/s" if result["steady_step_seconds"] else "")
             + f" | {result['real_tokens_per_second']:.0f} tokens/s ({result['computed_tokens_per_second']:.0f} "

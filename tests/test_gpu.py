@@ -87,6 +87,22 @@ def test_one_gpu_learns_and_reports_its_peak_memory(single_gpu):
     assert result["model_state_bytes"]["total"] > 0
 
 
+@needs(1)
+def test_compiled_tf32_on_one_gpu_tracks_eager_fp32_and_reports_its_mfu(tmp_path, single_gpu):
+    """--compile --tf32: one graph for every batch length, the steps' pace against the GPU's published
+    TF32 peak where flops.py knows the GPU, and the eager IEEE fp32 run's metrics within TF32's
+    precision (10 mantissa bits in the products)."""
+    import flops
+    run([PYTHON, "single-gpu-cls.py", *GPU, *EXACT, "--batch-size", "32", "--compile", "--tf32",
+         "--output-dir", str(tmp_path)])
+    result = assert_gpu_run(tmp_path, world_size=1)
+    assert result["compiled"] is True and result["compiled_graphs"] == 1
+    assert result["compute_precision"] == "tf32" and result["first_step_seconds"] > 0
+    peak, _ = flops.published_peak(torch.cuda.get_device_name(0), "tf32")
+    assert (result["mfu"] is not None) is (peak is not None) and (result["mfu"] or 0) < 1
+    assert abs(result["dev_loss"] - read_result(single_gpu)["dev_loss"]) < 0.01
+
+
 @needs(2)
 def test_nccl_ddp_on_two_gpus_equals_one_gpu_at_the_same_global_batch(tmp_path, single_gpu):
     process = run([*torchrun(2, "multi-gpu-distributed-cls.py"), *GPU, *EXACT, "--batch-size", "16",
