@@ -1,6 +1,7 @@
 """Measurements beside the lesson, so that a reader of the training loop meets only the strategy:
 how many bytes of model state each process really holds against what the ZeRO formulas predict,
-and where a step's time goes (--profile). Each is a `Callback`: the Trainer calls it at the named
+how fast the steps ran against the device's limit (MFU), and where a step's time goes (--profile).
+Each is a `Callback`: the Trainer calls it at the named
 points of its loop, and it adds its fields to result.json. The tests' own hooks (tests/hooks.py) are
 callbacks too, loaded only when a test's environment asks for them."""
 import importlib.util
