@@ -405,7 +405,7 @@ def count_tokens(batch):
 
 def token_counts(sums):
     """count_tokens' sums, by name."""
-    return dict(zip(["real_tokens", "computed_tokens", "computed_sequences", "attended_pairs"], sums.tolist()))
+    return dict(zip(results.TOKEN_COUNTS, sums.tolist()))
 
 
 # ----------------------------------------------------------------------------- strategy and collectives

@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, record_function
 
 import flops
+import results
 from machine import synchronize
 
 
@@ -172,7 +173,7 @@ class Throughput(Callback):
         if self.first_step is None:  # nothing trained (a --resume past the last step)
             return
         config = trainer.strategy.unwrap(trainer.model).config
-        model_flops = flops.training_flops(config, *(result[name] for name in WORK))  # the job's
+        model_flops = flops.training_flops(config, *(result[name] for name in results.TOKEN_COUNTS[1:]))  # the job's
         # The steady steps' share of the FLOPs, from this process's own counts: exact, whatever the
         # first batch's length.
         steady_share = 1 - flops.training_flops(config, *self.first_tokens[1:].tolist()) / flops.training_flops(
@@ -195,9 +196,6 @@ class Throughput(Callback):
             "devices": devices,
         })
         result.update(published_mfu(self.device, result["compute_precision"], steady_flops, devices))
-
-
-WORK = ("computed_tokens", "computed_sequences", "attended_pairs")  # what flops.training_flops counts from
 
 
 def compute_precision(trainer):
