@@ -6,7 +6,7 @@ from conftest import SMALL, assert_same_weights, read_result, run_in_process
 
 # The compiled run's largest weight difference from the eager single-device run, measured on 2 CPU
 # cores: 5.3e-6 at 2 x 16, 6.7e-6 at 2 x 8 x 2 micro-batches, 9.2e-6 at 3 x 11 (test_equivalence.py's
-# spawn run, within the suite's 1e-4 there); inductor's fused kernels sum in another order, and eager
+# DDP run, within the suite's 1e-4 there); inductor's fused kernels sum in another order, and eager
 # DDP differs by 3.2e-6. A few times that, far below the 1e-3 of a sample trained twice.
 COMPILED_ATOL = 2e-5
 

@@ -1,7 +1,7 @@
 """Every strategy is single-device training at the same global batch: 3 processes x 11 against one
 device x 33, on data whose last global batch (2 samples) cannot be shared by 3 processes and whose
 83 dev samples do not split over them. One launch per strategy checks the weights, the dev count
-and the thread policy; the spawn script's runs compiled. Lightning Fabric's is test_fabric.py's FSDP2 run, the Hugging Face Trainer's
+and the thread policy; DDP's run compiled. Lightning Fabric's is test_fabric.py's FSDP2 run, the Hugging Face Trainer's
 test_hf_trainer.py's."""
 
 import pytest
@@ -14,11 +14,11 @@ THREE = [*SMALL, *EXACT, "--batch-size", "11"]
 
 
 LAUNCH = {
+    # Compiled: torch.compile at 3 processes, the last batch evened out by a repeat of weight 0. Eager DDP
+    # is the 2-process runs' (conftest), and every other row here shares its sampler at 3; the spawn
+    # script is DDP's with another launch (test_native.py).
     "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
-                    "multi-gpu-distributed-cls.py"],
-    # Compiled: torch.compile at 3 processes, the last batch evened out by a repeat of weight 0 (the
-    # DDP script's own run above, and the spawn script's at 2 processes, stay eager).
-    "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "3", "--compile"],
+                    "multi-gpu-distributed-cls.py", "--compile"],
     "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(), "multi-gpu-fsdp-cls.py"],
     "horovod": lambda: [BIN / "horovodrun", "-np", "3", "-H", "localhost:3", "--gloo", "--start-timeout", "120",
                         PYTHON, "multi-gpu-horovod-cls.py"],
@@ -43,7 +43,7 @@ def test_three_processes_end_with_the_single_device_weights(tmp_path, single_33,
     run([*LAUNCH[strategy](), *THREE, "--output-dir", str(tmp_path)], env={"OMP_NUM_THREADS": "1"}, timeout=600)
     result = read_result(tmp_path)
     assert result["world_size"] == 3 and result["global_batch_size"] == 33 and result["precision"] == "fp32"
-    assert result["compiled"] is (strategy == "ddp-spawn")
+    assert result["compiled"] is (strategy == "ddp")
     assert result["dev_samples"] == DEV_SAMPLES and result["samples_trained"] == 332
     assert result["steps"] == read_result(single_33)["steps"] == 11
     assert result["threads_per_process"] == max(1, machine.usable_cores() // 3)
