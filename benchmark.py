@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -79,7 +80,9 @@ def python():
 
 
 def executable(name):
-    return relative(BIN / name)
+    """A launcher beside this Python, as in a venv; else the one on the PATH (a system Python's)."""
+    beside = BIN / name
+    return relative(beside) if beside.exists() else shutil.which(name) or relative(beside)
 
 
 # Each function returns the command up to and including the script; --output-dir and the shared

@@ -27,7 +27,8 @@ import measure
 import models
 import results
 from cli import UserError
-from machine import computes_natively, reset_peak_memory, set_threads, synchronize, use_tf32
+from machine import (computes_natively, reset_peak_memory, set_threads, synchronize,
+                     use_attention_without_plans, use_tf32)
 
 LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
 
@@ -40,6 +41,7 @@ def prepare_data(args, strategy):
     Returns (train set, dev set, tokenizer, model, model name, learning rate).
     """
     use_tf32(args.tf32, strategy.device)  # before any model is built, or compiled
+    use_attention_without_plans(strategy.device)
     records = load_records(args.data)
     train_records, dev_records = split_records(records, args.max_samples, args.dev_ratio, args.seed)
     name = strategy.broadcast_object(models.resolve_model(args.model) if strategy.is_main else None)

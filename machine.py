@@ -49,6 +49,15 @@ def use_tf32(enabled, device):
     torch.backends.cuda.matmul.fp32_precision = "tf32"
 
 
+def use_attention_without_plans(device):
+    """16-bit attention off cuDNN. On Hopper and later torch tries cuDNN's attention first, which
+    builds an execution plan for every new (batch, length) shape, and a batch padded to its own longest
+    text is almost always new: on one H100 the bf16 and fp16 steps took 5x as long as fp32's with it
+    (docs/gpu.md). Flash and memory-efficient attention need no plan."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def computes_natively(precision, device):
     """Whether the hardware computes `precision` itself. torch has no query for CPUs: read their flags.
     GPUs: bf16 from Ampere (compute capability 8), fp16 tensor cores from Volta (7)."""

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check, on a machine with CUDA GPUs: the GPU tests (tests/test_gpu.py), the benchmark with the
-# offline tiny model, then at real size: the real model when its weights are in model_hub/, else its
-# architecture with random weights (base-shape, no download). At real size every default row runs at one
-# process per GPU, with --compile and without, and the DDP row in each precision (IEEE fp32, TF32, bf16
-# autocast, fp16 autocast with its scaler). Needs no network and no .venv:
+# The GPU check, on a machine with CUDA GPUs. At real size (the real model when its weights are in
+# model_hub/, else its architecture with random weights: base-shape, no download) every default row at one
+# process per GPU and the DDP row in each precision (IEEE fp32, TF32, bf16 autocast, fp16 autocast with its
+# scaler); then every row compiled (--compile); then the GPU tests (tests/test_gpu.py) beside the benchmark
+# with the offline tiny model. About 22 minutes on one H100: name steps to split it. Needs no network or .venv:
 #
 #   scripts/gpu-check.sh --dry-run                    # the plan, its estimate and the commands; any machine
-#   scripts/gpu-check.sh                              # tests, tiny, then real or base-shape
+#   scripts/gpu-check.sh                              # base-shape (or real), compiled, tests, tiny
 #   scripts/gpu-check.sh base-shape tests             # only these steps, in this order
 #   scripts/gpu-check.sh --out DIR                    # tables, JSON, charts and every row's log in DIR
 #   scripts/gpu-check.sh --wheels DIR                 # install the wheels in DIR first (DeepSpeed's:
@@ -21,21 +21,20 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 REAL_MODEL=model_hub/chinese-bert-wwm-ext
-# Sized for one H100 (docs/gpu.md): the tiny rows are launch-bound (about 15 s a launch, its steps take
-# milliseconds), so fewer samples change nothing but the wait; at real size 20 steps of batch 32 give a
-# steady median over 19 steps, and the whole dev set is evaluated as always.
+# Sized for one H100 (docs/gpu.md): a launch takes 18-45 s there, its 20 steps 1-7 s of it, so fewer
+# samples change nothing but the wait; 20 steps of batch 32 give a steady median over 19 steps, and the
+# whole dev set is evaluated as always.
 TINY_OPTIONS=(--model tiny --max-samples 2000)
 REAL_SIZE_OPTIONS=(--max-steps 20)
-# The precision variants of the DDP row, then the compiled variants of every default row but DataParallel,
-# and of bf16 autocast. The first rows answer the check's questions (docs/gpu.md): they run first.
-PRECISION_ROWS=ddp-tf32,ddp-amp-bf16
+# The DDP row in each precision first (the check's questions, docs/gpu.md), then the other default rows;
+# the compiled step: DDP in fp32 and bf16 first, then every other row but DataParallel's.
+FIRST_ROWS=ddp,ddp-tf32,ddp-amp-bf16,ddp-amp
 COMPILE_ROWS=ddp+compile,ddp-amp-bf16+compile,single+compile,ddp-spawn+compile,ddp-amp+compile,horovod+compile,deepspeed+compile,accelerate+compile,fsdp+compile,hf-trainer+compile,fabric+compile
-FIRST_ROWS=ddp,ddp-tf32,ddp-amp-bf16,ddp-amp,ddp+compile,ddp-amp-bf16+compile
 COMPILE_PRECISIONS=2  # fp32 and bf16 compile cold; fp16's ddp-amp row shares most of bf16's graph
-# Seconds on one H100 (docs/gpu.md): a launch's start, steps, evaluation and save; a cold compilation
-# (once per precision: later compiled rows of that precision find their kernels in the compile cache,
-# and pay the tracing); the tests, which run beside the tiny rows (both launch-bound, the GPU idle).
-LAUNCH_SECONDS_TINY=8 LAUNCH_SECONDS_REAL=10 COLD_COMPILE_SECONDS=40 WARM_COMPILE_SECONDS=5 TESTS_SECONDS=40
+# Seconds on one H100, measured there (docs/gpu.md): a launch (start, 20 steps, evaluation, save); a cold
+# compilation (once per precision: later rows find its kernels in the compile cache and pay the tracing);
+# the tests, which run beside the tiny rows.
+LAUNCH_SECONDS_TINY=22 LAUNCH_SECONDS_REAL=30 COLD_COMPILE_SECONDS=65 WARM_COMPILE_SECONDS=20 TESTS_SECONDS=100
 
 dry_run=0
 out=output/gpu-check
@@ -48,9 +47,9 @@ while [ $# -gt 0 ]; do
         --dry-run) dry_run=1; shift ;;
         --out) out=${2:?--out takes a folder}; shift 2 ;;
         --wheels) wheels=${2:?--wheels takes a folder of wheels}; shift 2 ;;
-        tests|tiny|base-shape|real) steps+=("$1"); shift ;;
+        tests|tiny|base-shape|real|compiled) steps+=("$1"); shift ;;
         -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "error: unknown step '$1': name tests, tiny, base-shape or real (options for benchmark.py go after --)" >&2
+        *) echo "error: unknown step '$1': name base-shape, real, compiled, tests or tiny (options for benchmark.py go after --)" >&2
            exit 2 ;;
     esac
 done
@@ -60,21 +59,22 @@ has_weights() {  # a model folder with its config and weights
 }
 explicit=$((${#steps[@]} > 0))
 if [ "$explicit" = 0 ]; then
-    steps=(tests tiny)
-    if has_weights "$REAL_MODEL"; then steps+=(real); else steps+=(base-shape); fi
+    if has_weights "$REAL_MODEL"; then steps=(real); else steps=(base-shape); fi
+    steps+=(compiled tests tiny)
 fi
 
 count() { local IFS=,; set -- $1; echo $#; }
 default_rows=11  # benchmark.py's strategies; a row whose library is missing is left out when it runs
-real_rows=$((default_rows + $(count "$PRECISION_ROWS") + $(count "$COMPILE_ROWS")))
+real_rows=$((default_rows + $(count "$FIRST_ROWS") - 1))  # ddp is a default row too
 beside_tiny=0
 [[ " ${steps[*]} " != *" tests "* || " ${steps[*]} " != *" tiny "* ]] || beside_tiny=1
 step_seconds() {
     case "$1" in
         tests) [ "$beside_tiny" = 1 ] && echo 0 || echo "$TESTS_SECONDS" ;;
         tiny) echo $((default_rows * LAUNCH_SECONDS_TINY)) ;;
-        *) echo $((real_rows * LAUNCH_SECONDS_REAL + COMPILE_PRECISIONS * COLD_COMPILE_SECONDS
-                   + $(count "$COMPILE_ROWS") * WARM_COMPILE_SECONDS)) ;;
+        compiled) echo $(($(count "$COMPILE_ROWS") * (LAUNCH_SECONDS_REAL + WARM_COMPILE_SECONDS)
+                          + COMPILE_PRECISIONS * COLD_COMPILE_SECONDS)) ;;
+        *) echo $((real_rows * LAUNCH_SECONDS_REAL)) ;;
     esac
 }
 total=0
@@ -85,7 +85,8 @@ for step in "${steps[@]}"; do
     case "$step" in
         tests) what="tests/test_gpu.py, 4 tests at a time (pytest-xdist)$([ "$beside_tiny" = 0 ] || echo ", beside the tiny rows")" ;;
         tiny) what="the $default_rows default rows, tiny model: ${TINY_OPTIONS[*]}" ;;
-        *) what="$real_rows rows at real size (${REAL_SIZE_OPTIONS[*]}): the $default_rows default rows, $PRECISION_ROWS, and each row compiled" ;;
+        compiled) what="$(count "$COMPILE_ROWS") rows at real size (${REAL_SIZE_OPTIONS[*]}), each with --compile" ;;
+        *) what="$real_rows rows at real size (${REAL_SIZE_OPTIONS[*]}): the $default_rows default rows, ddp-tf32, ddp-amp-bf16" ;;
     esac
     printf '  %-10s about %3d s  %s\n' "$step" "$seconds" "$what"
 done
@@ -141,6 +142,8 @@ EOF
     exit 1
 fi
 echo "gpu-check: $gpu_line | python $exe"
+# benchmark.py takes a launcher beside the Python, else from the PATH: add a --user install's launchers.
+PATH="$PATH:$("$exe" -c 'import os, sysconfig; print(sysconfig.get_path("scripts", f"{os.name}_user"))')"
 
 missing_modules() {  # the modules of "$@" this Python cannot import
     "$exe" -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "$@"
@@ -157,40 +160,18 @@ fi
 failed=()
 mkdir -p "$out"
 
-# --- the benchmark's Python: its launchers (torchrun, accelerate, ...) must be beside it ---------------
-# benchmark.py starts each launcher from the folder of the Python running it, as in a venv. A system
-# Python keeps them elsewhere (/usr/local/bin, ~/.local/bin, the wheels' bin/): link the Python and its
-# launchers into one folder, and run the benchmark from there.
-bench_py=$exe
-if [[ " ${steps[*]} " == *" tiny "* || " ${steps[*]} " == *" base-shape "* || " ${steps[*]} " == *" real "* ]]; then
-    if [ -n "$(missing_modules matplotlib)" ]; then
-        echo "error: matplotlib is not installed for $exe: benchmark.py draws its chart with it" >&2
-        exit 1
-    fi
-    if [ ! -e "$(dirname "$exe")/torchrun" ] || [ -n "$wheels" ]; then
-        shim="$out/bin"
-        rm -rf "$shim"; mkdir -p "$shim"
-        ln -s "$exe" "$shim/python"
-        "$exe" - "$shim" <<'EOF'
-import os, shutil, sys, sysconfig
-shim = sys.argv[1]
-folders = [sysconfig.get_path("scripts"), sysconfig.get_path("scripts", f"{os.name}_user")]
-for name in ("torchrun", "accelerate", "deepspeed", "horovodrun", "fabric"):
-    found = shutil.which(name) or next((os.path.join(f, name) for f in folders if os.path.exists(os.path.join(f, name))), None)
-    if found:
-        os.symlink(found, os.path.join(shim, name))
-print(f"note: the launchers linked beside {sys.executable} in {shim}: "
-      + (" ".join(sorted(n for n in os.listdir(shim) if n != "python")) or "none found"))
-EOF
-        bench_py="$shim/python"
-    fi
+# --- the benchmark's chart needs matplotlib ------------------------------------------------------------
+if [[ " ${steps[*]} " == *" tiny "* || " ${steps[*]} " == *" base-shape "* || " ${steps[*]} " == *" real "* ]] \
+   && [ -n "$(missing_modules matplotlib)" ]; then
+    echo "error: matplotlib is not installed for $exe: benchmark.py draws its chart with it" >&2
+    exit 1
 fi
 
 # Rows whose Python module is missing (benchmark.py would list them as skipped and exit 1): leave them
 # out, unless the options name the rows themselves.
 absent=""
 if [[ " ${bench_args[*]-} " != *" --only"* && " ${bench_args[*]-} " != *" --skip"* ]]; then
-    absent=$("$bench_py" -c 'import importlib.util, benchmark
+    absent=$("$exe" -c 'import importlib.util, benchmark
 print(",".join(v.name for v in benchmark.BUILT_IN_VARIANTS if benchmark.STRATEGIES[v.strategy].needs
                and importlib.util.find_spec(benchmark.STRATEGIES[v.strategy].needs) is None))' 2>/dev/null || true)
     [ -z "$absent" ] || echo "note: leaving out the rows whose library is not installed: $absent"
@@ -202,13 +183,15 @@ without_absent() {  # the rows of the comma-separated list $1 that are not in $a
     local IFS=,; echo "${kept[*]}"
 }
 
-strategies() { "$bench_py" -c 'import benchmark; print(",".join(benchmark.STRATEGIES))'; }
+strategies() { "$exe" -c 'import benchmark; print(",".join(benchmark.STRATEGIES))'; }
 
 benchmark() {  # STEP [OPTIONS...]: benchmark.py into $out/STEP, published beside the committed runs
     local step=$1; shift
     echo; echo "== $step: benchmark.py $*"
+    # The compiled rows stay in $out/compiled: published, they would replace the real-size table.
+    local publish=(--publish); [ "$step" != compiled ] || publish=()
     # ${a[@]+"${a[@]}"}: an empty array under set -u, which bash before 4.4 calls unbound
-    "$bench_py" benchmark.py --output-dir "$out/$step" --publish "$@" ${bench_args[@]+"${bench_args[@]}"} \
+    "$exe" benchmark.py --output-dir "$out/$step" ${publish[@]+"${publish[@]}"} "$@" ${bench_args[@]+"${bench_args[@]}"} \
         || failed+=("$step")
 }
 
@@ -236,14 +219,15 @@ for step in "${steps[@]}"; do
         tiny)
             benchmark tiny "${TINY_OPTIONS[@]}" --only "$(without_absent "$(strategies)")"
             ;;
-        base-shape|real)
+        base-shape|real|compiled)
             model=base-shape
-            if [ "$step" = real ]; then
+            if [ "$step" = real ] || { [ "$step" = compiled ] && has_weights "$REAL_MODEL"; }; then
                 has_weights "$REAL_MODEL" || { echo "error: no weights in $REAL_MODEL (model_hub/README.md)" >&2; failed+=(real); continue; }
                 model=$REAL_MODEL
             fi
-            every_row=$FIRST_ROWS,$(strategies),$PRECISION_ROWS,$COMPILE_ROWS  # benchmark.py runs a row named twice once
-            benchmark "$step" --model "$model" "${REAL_SIZE_OPTIONS[@]}" --only "$(without_absent "$every_row")"
+            rows=$FIRST_ROWS,$(strategies)  # benchmark.py runs a row named twice once
+            [ "$step" != compiled ] || rows=$COMPILE_ROWS
+            benchmark "$step" --model "$model" "${REAL_SIZE_OPTIONS[@]}" --only "$(without_absent "$rows")"
             ;;
     esac
 done

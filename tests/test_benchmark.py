@@ -236,6 +236,21 @@ def test_every_launch_line_and_the_options_each_row_gets():
     assert "--offload" not in options_for("ddp", strategy_options=chosen)
 
 
+def test_a_launcher_not_beside_the_python_is_taken_from_the_path(tmp_path, monkeypatch):
+    """A venv keeps its launchers beside its Python; a system Python, or wheels installed with --target
+    (scripts/gpu-check.sh --wheels), put them on the PATH."""
+    venv, elsewhere = tmp_path / "venv", tmp_path / "elsewhere"
+    venv.mkdir(), elsewhere.mkdir()
+    for launcher in (venv / "torchrun", elsewhere / "deepspeed"):
+        launcher.write_text("#!/bin/sh\n")
+        launcher.chmod(0o755)
+    monkeypatch.setattr(benchmark, "BIN", venv)
+    monkeypatch.setenv("PATH", str(elsewhere))
+    assert benchmark.executable("torchrun") == str(venv / "torchrun")
+    assert benchmark.executable("deepspeed") == str(elsewhere / "deepspeed")
+    assert benchmark.executable("horovodrun") == str(venv / "horovodrun")  # nowhere: its row says so
+
+
 def test_an_emulated_precision_and_the_zero_stage_are_marked_in_the_table():
     row = {"precision": "bf16", "precision_native": False, "device": "cpu"}
     assert benchmark_report.precision_label(row) == "bf16, emulated on this CPU"

@@ -103,6 +103,21 @@ def test_compiled_tf32_on_one_gpu_tracks_eager_fp32_and_reports_its_mfu(tmp_path
     assert abs(result["dev_loss"] - read_result(single_gpu)["dev_loss"]) < 0.01
 
 
+@needs(1)
+def test_padded_16_bit_attention_avoids_cudnn_plans():
+    """A BERT-shaped masked attention in bf16 and fp16, after the scripts' set-up: a fused kernel
+    that needs no per-shape plan (torch puts cuDNN first on Hopper and later), never cuDNN's."""
+    import machine
+    from torch.nn.attention import SDPBackend
+    machine.use_attention_without_plans(torch.device("cuda", 0))
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = (torch.randn(32, 12, 37, 64, device="cuda", dtype=dtype) for _ in range(3))
+        mask = torch.ones(32, 1, 1, 37, device="cuda", dtype=torch.bool)
+        mask[:, :, :, 30:] = False
+        chosen = SDPBackend(torch._fused_sdp_choice(q, k, v, mask))
+        assert chosen in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION), (dtype, chosen)
+
+
 @needs(2)
 def test_nccl_ddp_on_two_gpus_equals_one_gpu_at_the_same_global_batch(tmp_path, single_gpu):
     process = run([*torchrun(2, "multi-gpu-distributed-cls.py"), *GPU, *EXACT, "--batch-size", "16",
