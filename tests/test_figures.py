@@ -275,3 +275,29 @@ def test_the_readme_duration_of_the_benchmark_is_the_committed_runs(rows):
 def test_the_strategy_guide_quotes_horovods_committed_speed_up(rows):
     guide = words(section(README, "## Which strategy should I use?", "## Getting the real weights"))
     assert f"{rows['horovod']['speedup']:.2f}x in the committed run, DDP {rows['ddp']['speedup']:.2f}x" in guide
+
+
+def test_the_gpu_page_quotes_the_committed_h100_run():
+    """docs/gpu.md's figures of the one-H100 run at real size: steps, first steps, MFU and the peak."""
+    run = json.loads((ROOT / "docs" / "results" / "1x-nvidia-h100-80gb-hbm3-base-shape" / "benchmark.json").read_text())
+    gpu_rows = {row["row"]: row for row in run["rows"]}
+    page = words(section((ROOT / "docs" / "gpu.md").read_text(encoding="utf-8"), "## The first GPU run"))
+
+    def ms(row):
+        return round(gpu_rows[row]["steady_step_seconds"] * 1000)
+
+    assert f"took {ms('ddp')} ms in fp32 (`single`, `ddp`)" in page and ms("single") == ms("ddp")
+    quoted = ("single", "ddp", "dataparallel", "accelerate", "fabric")
+    fast = sorted(ms(row) for row in quoted[2:])
+    assert f"{fast[0]}-{fast[-1]} ms under DataParallel, Accelerate and Fabric" in page
+    for key, against in (("mfu", "the H100's published"), ("mfu_measured", "the")):
+        mfus = [gpu_rows[row][key] * 100 for row in quoted]
+        assert f"{min(mfus):.0f}-{max(mfus):.0f}% of {against}" in page
+    assert f"the {run['matmul_peaks']['cuda fp32']['tflops']:.1f} TFLOP/s its matrix products" in page
+    assert f"(`ddp-tf32`, {ms('ddp-tf32')} ms)" in page
+    assert f"DeepSpeed ({ms('deepspeed')} ms) and FSDP2 ({ms('fsdp')} ms)" in page
+    assert f"took {ms('ddp-amp')} and {ms('ddp-amp-bf16')} ms per step" in page
+    assert f"({gpu_rows['ddp-amp']['first_step_seconds']:.2f} and {gpu_rows['ddp-amp-bf16']['first_step_seconds']:.2f} s)" in page
+    assert f"fp32's {gpu_rows['ddp']['first_step_seconds']:.2f} s" in page
+    assert f"were {ms('ddp-amp') / ms('ddp'):.0f}x slower than fp32" in page
+    assert "For 768*s16, expected [s16] to have been codegen-ed" in gpu_rows["ddp+compile"]["reason"]
