@@ -13,12 +13,36 @@ from cli import UserError
 NATIVE_CPU_FLAGS = {"bf16": {"avx512_bf16", "amx_bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}
 
 
+# Variables by which a scheduler or the user gives a process GPUs (Slurm's allocation, a device list).
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE", "CUDA_VISIBLE_DEVICES")
+
+
+def given_gpus():
+    """'NAME=VALUE' of the first variable that gives this process GPUs, or None. An empty
+    CUDA_VISIBLE_DEVICES (or -1) hides the GPUs: none given."""
+    for name in GPU_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        none = value in ("", "-1", "NoDevFiles") or (name == "SLURM_GPUS_ON_NODE" and value == "0")
+        if not none:
+            return f"{name}={value}"
+    return None
+
+
 def resolve_device(choice, local_rank=0, share_gpus=None):
-    """`auto` picks this process's GPU when there is one, else the CPU. With `share_gpus` (gloo),
-    processes beyond the GPU count take turns on the GPUs there are; None: the script has no
+    """`auto` picks this process's GPU when there is one, else the CPU, unless the environment says
+    GPUs were given (a GPU job must not train on the CPU for hours without a word). With `share_gpus`
+    (gloo), processes beyond the GPU count take turns on the GPUs there are; None: the script has no
     --backend to offer for it."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but torch sees no CUDA GPU")
+    if choice != "cpu" and not torch.cuda.is_available():
+        build = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+                 else f"torch is built for CUDA {torch.version.cuda}: is the NVIDIA driver loaded? (nvidia-smi)")
+        if choice == "cuda":
+            slurm = " (this Slurm job was given none: ask for them with --gres=gpu:N)" if (
+                "SLURM_JOB_ID" in os.environ and not given_gpus()) else ""
+            raise UserError(f"--device cuda was asked for, but torch sees no CUDA GPU{slurm}; {build}")
+        if given_gpus():
+            raise UserError(f"{given_gpus()} gives this process GPUs, but torch sees none; {build}; "
+                            "to train on the CPU, pass --device cpu")
     if choice == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()

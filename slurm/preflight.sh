@@ -1,5 +1,18 @@
-# Sourced by every batch file of slurm/ before it starts anything: the head node, the rendezvous
-# port, the environment, and the one thing a cluster must give: every node sees the same files.
+# Sourced by every batch file of slurm/ before it starts anything: the environment, the device, the
+# head node and its port, the network interface, and the one thing a cluster must give: every node
+# sees the same files.
+#   DEVICE=cpu sbatch slurm/torchrun.sbatch        # a CPU cluster (default: cuda, one GPU per process)
+#   NET_INTERFACE=ib0 sbatch slurm/torchrun.sbatch # the interface the nodes share (default: the head's)
+#   OUTPUT_DIR=... MASTER_PORT=... SCRIPT=...      # where the model goes, the rendezvous port, the script
+
+if [[ ! -x .venv/bin/python ]]; then
+    echo "error: no .venv in $PWD: make it once on the shared filesystem (./test.sh --quick sets it up)" >&2
+    exit 2
+fi
+# The scripts' --device: cuda unless DEVICE says otherwise, so that a job without its GPUs (a missing
+# --gres, a broken driver) stops in one line instead of training on the CPU for hours. An option
+# --device given to the batch file comes later and wins.
+set -- --device "${DEVICE:-cuda}" "$@"
 
 # The first node of the job hosts the rendezvous; srun starts rank 0 there.
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -10,16 +23,35 @@ SCRIPT=${SCRIPT:-multi-gpu-distributed-cls.py}
 OUTPUT_DIR=$(realpath -m "${OUTPUT_DIR:-output/$(basename "$SCRIPT" .py)}")
 export PATH="$PWD/.venv/bin:$PATH" HEAD_NODE PORT SCRIPT OUTPUT_DIR
 
+# The interface gloo and NCCL talk over: NET_INTERFACE (or GLOO_SOCKET_IFNAME), else the one that holds
+# the head node's address here. Left to themselves they may pick one the other nodes cannot reach.
+head_address=$(getent ahostsv4 "$HEAD_NODE" | awk 'NR == 1 {print $1}')
+NET_INTERFACE=${NET_INTERFACE:-${GLOO_SOCKET_IFNAME:-$(ip -o -4 addr show |
+    awk -v address="$head_address" '{split($4, cidr, "/")} cidr[1] == address {print $2; exit}')}}
+if [[ -z $NET_INTERFACE || $NET_INTERFACE == lo ]] && ((SLURM_NNODES > 1)); then
+    echo "error: $HEAD_NODE resolves to ${head_address:-no address} on no interface the other nodes reach:" \
+         "set NET_INTERFACE to the one they share (ip -br addr lists them)" >&2
+    exit 2
+fi
+[[ -z $NET_INTERFACE ]] || export GLOO_SOCKET_IFNAME=$NET_INTERFACE NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$NET_INTERFACE}
+
 # A file written here must be there on every node: the same .venv, and the same output folder (rank 0
-# saves the model, every rank reads the checkpoint on --resume). Node-local disks fail this at once,
-# not after an hour of training.
+# saves the model, every rank reads the checkpoint on --resume); and every node has the interface.
+# Node-local disks and a wrong interface fail this at once, not after an hour of training.
 mkdir -p "$OUTPUT_DIR"
 shared_check="$OUTPUT_DIR/.shared-check-$SLURM_JOB_ID"
 touch "$shared_check"
-if ! srun --nodes "$SLURM_NNODES" --ntasks-per-node 1 test -e "$shared_check" -a -x "$PWD/.venv/bin/python" \
-        2>/dev/null; then
+srun --nodes "$SLURM_NNODES" --ntasks-per-node 1 bash -c \
+    'test -e "$0" -a -x "$1" || exit 3; [[ -z $2 ]] || ip link show dev "$2" >/dev/null 2>&1 || exit 4' \
+    "$shared_check" "$PWD/.venv/bin/python" "$NET_INTERFACE" 2>/dev/null
+node_check=$?
+rm -f "$shared_check"
+if ((node_check == 4)); then
+    echo "error: network interface $NET_INTERFACE is missing on a node of this job: set NET_INTERFACE to the" \
+         "one every node has (ip -br addr lists them)" >&2
+    exit 2
+elif ((node_check != 0)); then
     echo "error: $OUTPUT_DIR or $PWD/.venv is not on a filesystem every node shares: put the repository (or OUTPUT_DIR) on the cluster's shared filesystem" >&2
-    rm -f "$shared_check"
     exit 2
 fi
-rm -f "$shared_check"
+echo "network: ${NET_INTERFACE:-chosen by gloo and NCCL} (NET_INTERFACE overrides it)"

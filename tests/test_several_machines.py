@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import cli
+import machine
 from conftest import (EXACT, DEV_SAMPLES, PYTHON, ROOT, SMALL, assert_same_weights, processes_mentioning,
                       read_result, run)
 
@@ -56,6 +58,36 @@ def test_a_batch_script_without_srun_still_gets_the_launcher_error(slurm_task):
                                              ("gpu[07-09,12]-ib,cpu1", "gpu07-ib"), ("cpu1,gpu[1-2]", "cpu1")])
 def test_the_first_host_of_a_node_list(nodelist, first):
     assert cli.first_host(nodelist) == first
+
+
+@pytest.mark.parametrize("variables, expected", [
+    ({}, "cpu"), ({"CUDA_VISIBLE_DEVICES": ""}, "cpu"), ({"SLURM_GPUS_ON_NODE": "0"}, "cpu"),
+    ({"SLURM_JOB_GPUS": "0,1"}, "SLURM_JOB_GPUS=0,1 gives this process GPUs, but torch sees none"),
+    ({"CUDA_VISIBLE_DEVICES": "0"}, "CUDA_VISIBLE_DEVICES=0 gives this process GPUs, but torch sees none"),
+])
+def test_a_job_given_gpus_that_torch_cannot_see_stops_instead_of_training_on_the_cpu(monkeypatch, variables,
+                                                                                       expected):
+    for name in [*machine.GPU_VARIABLES, "SLURM_JOB_ID"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert machine.resolve_device("cpu").type == "cpu"
+    if expected == "cpu":
+        assert machine.resolve_device("auto").type == "cpu"
+        return
+    with pytest.raises(cli.UserError, match="to train on the CPU, pass --device cpu") as error:
+        machine.resolve_device("auto")
+    assert str(error.value).startswith(expected)
+
+
+def test_device_cuda_in_a_slurm_job_without_gpus_says_how_to_ask_for_them(monkeypatch):
+    for name in machine.GPU_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(cli.UserError, match=r"this Slurm job was given none: ask for them with --gres=gpu:N"):
+        machine.resolve_device("cuda")
 
 
 def test_tasks_per_node_expand():
@@ -126,8 +158,9 @@ def slurm(*command, env=None):
 def submit(batch_file, output_dir, *script_args, env=None, log=None, wait=True):
     """sbatch a file of slurm/ on the cluster, 1 process per node; with `wait`, return (exit code, log)."""
     log = log or Path(output_dir).with_suffix(".log")
-    job_env = {**os.environ, "OUTPUT_DIR": str(output_dir), "GPUS_PER_NODE": "1", "GLOO_SOCKET_IFNAME": INTERFACE,
-               **(env or {})}
+    # The CPU cluster's one setting (DEVICE); the interface is left to slurm/preflight.sh to find.
+    job_env = {**{name: value for name, value in os.environ.items() if not name.endswith("_SOCKET_IFNAME")},
+               "OUTPUT_DIR": str(output_dir), "GPUS_PER_NODE": "1", "DEVICE": "cpu", **(env or {})}
     job_id = slurm("sbatch", "--parsable", "--output", str(log),
                    *(["--ntasks-per-node=1"] if batch_file == "srun" else []),
                    f"slurm/{batch_file}.sbatch", *script_args, env=job_env).strip().split(";")[0]
@@ -155,6 +188,7 @@ def test_each_batch_file_trains_the_single_device_weights_on_two_nodes(cluster, 
     # node2's process is a local rank 0 too: global rank 0 alone reports and saves. --threads 1 wins
     # over the thread policy, which would give each node's one process all its cores.
     assert log.count("耗时：") == 1 and result["threads_per_process"] == 1
+    assert f"network: {INTERFACE} (NET_INTERFACE overrides it)" in log  # the interface of node1's address
     left = sorted(path.name for path in output.iterdir() if not path.name.startswith("hostfile-"))  # DeepSpeed's job's
     assert left == ["model", "result.json"]  # ZeRO-3's shards too merged into model/ and removed
     if batch_file == "srun":
@@ -208,6 +242,22 @@ def test_an_output_folder_one_node_cannot_see_fails_the_job_in_one_line_before_t
     assert exit_code != 0
     assert error_lines(log) == [line for line in error_lines(log) if "not on a filesystem every node shares" in line]
     assert len(error_lines(log)) == 1 and "【train】" not in log, log[-4000:]
+
+
+def test_an_interface_a_node_lacks_fails_the_job_in_one_line_before_training(cluster, tmp_path):
+    exit_code, log = submit("srun", tmp_path / "out", *TRAIN, env={"NET_INTERFACE": "ib9"})
+    assert exit_code != 0
+    assert error_lines(log) == ["error: network interface ib9 is missing on a node of this job: set NET_INTERFACE "
+                                "to the one every node has (ip -br addr lists them)"], log[-4000:]
+    assert "【train】" not in log
+
+
+def test_a_batch_file_without_the_venv_says_so_before_asking_slurm_anything(tmp_path):
+    """A .venv made on one node's disk, or not yet made: the batch file stops in one line."""
+    process = run(["bash", "-c", f"cd {tmp_path} && source {ROOT / 'slurm' / 'preflight.sh'}"], check=False)
+    assert process.returncode == 2
+    assert process.stderr.strip() == (f"error: no .venv in {tmp_path}: make it once on the shared filesystem "
+                                      "(./test.sh --quick sets it up)")
 
 
 def test_a_wrong_head_address_fails_in_one_line_before_training(cluster, tmp_path):
