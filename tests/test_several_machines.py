@@ -104,11 +104,12 @@ INTERFACE = "cluster0"  # the veth end in each node
 TRAIN = [*SMALL, *EXACT, "--batch-size", "16", "--threads", "1"]
 # DeepSpeed at ZeRO-3: the weights sharded across the two hosts (ZeRO-2 at 2 processes: the
 # accumulating run and the Trainer's through TrainingArguments).
-BATCH_FILES = {"torchrun": [], "spawn": [], "srun": [], "accelerate": [],
+BATCH_FILES = {"torchrun": [], "spawn": [], "srun": [], "accelerate": [], "fabric": [],
                "deepspeed": ["--zero-stage", "3", "--precision", "fp32"]}
 # The strategy and launcher each batch file's result names.
 RAN_AS = {"torchrun": ("ddp", "torchrun"), "spawn": ("ddp", "spawn"), "srun": ("ddp", "srun"),
-          "accelerate": ("accelerate", "accelerate launch"), "deepspeed": ("deepspeed", "deepspeed")}
+          "accelerate": ("accelerate", "accelerate launch"), "fabric": ("fabric", "fabric run"),
+          "deepspeed": ("deepspeed", "deepspeed")}
 
 
 @pytest.fixture(scope="session")
