@@ -209,7 +209,7 @@ def rank_process(output_dir, rank):
     return None
 
 
-def test_a_node_lost_mid_run_ends_the_job_and_a_resubmitted_resume_ends_on_the_uninterrupted_weights(
+def test_a_node_lost_mid_run_ends_the_job_and_the_same_job_resubmitted_resumes_by_itself(
         cluster, tmp_path):
     # 22 steps, a checkpoint every 4: node2's process is killed once the first one is there.
     two_epochs = ["--epochs", "2", "--save-steps", "4", "--dist-timeout", "60"]
@@ -232,7 +232,8 @@ def test_a_node_lost_mid_run_ends_the_job_and_a_resubmitted_resume_ends_on_the_u
     assert rank_process(output, 0) is None, "node1's process outlived the job"
     print(f"node lost: job ended {time.monotonic() - started:.0f} s after submission")
 
-    exit_code, log_text = submit("srun", output, *TRAIN, *two_epochs, "--resume")
+    # The same job again, as a requeue starts it: with --save-steps the batch file resumes by itself.
+    exit_code, log_text = submit("srun", output, *TRAIN, *two_epochs)
     assert exit_code == 0, log_text[-4000:]
     assert read_result(output)["resumed_from_step"] >= 4
     assert_same_weights(uninterrupted / "model", output / "model")
