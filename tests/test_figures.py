@@ -218,7 +218,7 @@ def test_the_anatomy_real_size_notes_are_the_real_size_runs(real_size_rows):
 
 def test_the_anatomy_notes_on_the_other_real_size_rows_are_their_runs(real_size_rows):
     other = {row["row"]: row for row in json.loads(OTHER_ROWS_RUN.read_text(encoding="utf-8"))["rows"]}
-    text = words(section(ANATOMY, "The other rows, by", "Per GPU from the formula"))
+    text = words(section(ANATOMY, "The other rows ran", "Per GPU from the formula"))
     minutes = sum(row["wall_seconds"] for row in other.values()) / 60
     assert f"({minutes:.0f} minutes of launches)" in text
     held = {name: row["model_state_bytes"]["total"] / MB for name, row in other.items()}
