@@ -299,3 +299,10 @@ def test_the_gpu_page_quotes_the_committed_h100_run():
     assert f"fp32's {gpu_rows['ddp']['first_step_seconds']:.2f} s" in page
     assert f"were {ms('ddp-amp') / ms('ddp'):.0f}x slower than fp32" in page
     assert "For 768*s16, expected [s16] to have been codegen-ed" in gpu_rows["ddp+compile"]["reason"]
+
+
+def test_the_chinese_section_gives_the_quick_starts_durations():
+    """The README's durations are written in its quick start and translated in its 中文 section: the two agree."""
+    english = re.findall(r"about (\d+) minutes on 2 cores", words(section(README, "## Quick start", "## Prerequisites")))
+    chinese = re.findall(r"2 核上约 (\d+) 分钟", section(README, "## 中文说明"))
+    assert len(english) == 3 and sorted(english) == sorted(chinese), (english, chinese)
