@@ -86,11 +86,12 @@ def test_the_published_runs_were_made_by_the_commands_the_pages_show():
         argv = shlex.split(command)
         assert argv[:2] == ["python", "benchmark.py"] or argv[0] == "./run.sh", command
         argv = argv[1:] if argv[0] == "./run.sh" else argv[2:]
-        args = benchmark.parse_args(argv, gpus=0)
+        gpus = len(recorded["machine"]["gpus"])
+        args = benchmark.parse_args(argv, gpus=gpus)
         assert args.publish and argv[argv.index("--output-dir") + 1] == recorded["output_dir"], folder
         assert (args.repeat, args.nprocs, args.max_steps, args.passthrough, args.model or "tiny") == (
             recorded["repeat"], recorded["nprocs"], recorded["max_steps"], recorded["passthrough"], recorded["model"]), folder
-        assert [cell["row"] for cell in benchmark.plan(args, gpus=0)] == [row["row"] for row in recorded["rows"]], folder
+        assert [cell["row"] for cell in benchmark.plan(args, gpus=gpus)] == [row["row"] for row in recorded["rows"]], folder
     measured = words(section(README, "## Measured", "## The strategies"))
     assert f"`{shown['amd-epyc-2-cores']}` on 2 cores" in measured
 
