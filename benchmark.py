@@ -297,10 +297,13 @@ def parse_args(argv, gpus):
     parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
                         help="where the table, chart, logs and each run's files go (default: output/benchmark)")
     parser.add_argument("--publish", action="store_true",
-                        help="also copy the table, JSON and chart to docs/results/<machine>/ and put the table "
-                             "on docs/benchmark.md")
+                        help="also copy the tables, JSON and chart to docs/results/<machine>/")
     args, passthrough = parser.parse_known_args(argv)
-    return check_args(args, passthrough, parser.get_default("nprocs"))
+    args = check_args(args, passthrough, parser.get_default("nprocs"))
+    if gpus and max(args.counts) > gpus and "cpu" not in passthrough:  # one GPU per process: say so before any launch
+        raise cli.UserError(f"--nprocs {args.nprocs}: this machine has {gpus} GPU(s) and each process takes one; "
+                            "hide them to run CPU processes: CUDA_VISIBLE_DEVICES= ./run.sh --device cpu")
+    return args
 
 
 def split_assignment(value, separator):

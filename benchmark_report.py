@@ -1,6 +1,6 @@
 """The benchmark's report, from the report that benchmark.py collects (benchmark.json holds the same):
 the tables for the terminal and for Markdown with their legends, the chart, and publishing a run to
-docs/results/ and docs/benchmark.md. It measures and computes nothing: benchmark.py has done that."""
+docs/results/. It measures and computes nothing: benchmark.py has done that."""
 import importlib.util
 import os
 import re
@@ -9,7 +9,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 RESULTS_DIR = ROOT / "docs" / "results"
-PUBLISHED_PAGE = ROOT / "docs" / "benchmark.md"
 
 # ----------------------------------------------------------------------------- the tables
 
@@ -203,7 +202,7 @@ def markdown_table(columns, rows):
 
 
 def markdown_body(report):
-    """The report without its title: what docs/benchmark.md publishes verbatim."""
+    """The report without its title."""
     rows, repeat = report["rows"], report["repeat"]
     text = [f"- {line}" for line in header_lines(report)] + [""]
     text += markdown_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows]) + ["", LEGEND, ""]
@@ -424,31 +423,15 @@ def write(report, output_dir, final):
 
 # ----------------------------------------------------------------------------- publishing
 
-README_BLOCK = re.compile(r"(<!-- results: (?P<path>\S+) -->\n)(?P<body>.*?)(<!-- end results -->)", re.S)
-
-
-def published_tables(readme_text):
-    """{path of a published benchmark.md: the text a page shows for it}."""
-    return {match["path"]: match["body"] for match in README_BLOCK.finditer(readme_text)}
-
-
 def publish(report, output_dir):
-    """Copy the run to docs/results/<machine>/ and show its table on docs/benchmark.md, verbatim."""
+    """Copy the run's tables, JSON and chart to docs/results/<machine>/: the record the pages link to."""
     # A real-size run keeps its own folder beside the machine's tiny-model benchmark.
     folder = machine_slug(report["machine"]) + ("" if report["model"] == "tiny" else f"-{Path(report['model']).name}")
     target = RESULTS_DIR / folder
     target.mkdir(parents=True, exist_ok=True)
     for name in ("benchmark.md", "benchmark.json", "benchmark.png"):
         shutil.copyfile(output_dir / name, target / name)
-    page, path = PUBLISHED_PAGE, str((target / "benchmark.md").relative_to(ROOT))
-    shown = f"{target.relative_to(ROOT)}/"
-    body = markdown_body(report)
-    text = page.read_text(encoding="utf-8")
-    if path in published_tables(text):
-        text = README_BLOCK.sub(lambda m: m.group(1) + body + m.group(4) if m["path"] == path else m.group(0), text)
-        write_text(page, text)
-        return f"{shown} and its table in {page.relative_to(ROOT)}"
-    return f"{shown} (add <!-- results: {path} --> ... <!-- end results --> to {page.relative_to(ROOT)} to show it)"
+    return f"{target.relative_to(ROOT)}/"
 
 
 def machine_slug(machine):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, on a machine with CUDA GPUs. At real size (the real model when its weights are in
-# model_hub/, else its architecture with random weights: base-shape, no download) every default row at one
+# The GPU check, on a machine with CUDA GPUs. At real size (the real model when its weights are where
+# --model auto finds them, in model_hub/ or the Hugging Face cache; else its architecture with random
+# weights: base-shape, no download) every default row at one
 # process per GPU and the DDP row in each precision (IEEE fp32, TF32, bf16 autocast, fp16 autocast with its
 # scaler); then every row compiled (--compile); then the GPU tests (tests/test_gpu.py) beside the benchmark
 # with the offline tiny model. About 22 minutes on one H100: name steps to split it. Needs no network or .venv:
@@ -48,7 +49,7 @@ while [ $# -gt 0 ]; do
         --out) out=${2:?--out takes a folder}; shift 2 ;;
         --wheels) wheels=${2:?--wheels takes a folder of wheels}; shift 2 ;;
         tests|tiny|base-shape|real|compiled) steps+=("$1"); shift ;;
-        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "error: unknown step '$1': name base-shape, real, compiled, tests or tiny (options for benchmark.py go after --)" >&2
            exit 2 ;;
     esac
@@ -57,9 +58,16 @@ done
 has_weights() {  # a model folder with its config and weights
     [ -f "$1/config.json" ] && { compgen -G "$1/*.safetensors" > /dev/null || [ -f "$1/pytorch_model.bin" ]; }
 }
+real_model() {  # where --model auto finds the real weights without network: model_hub/, else the Hugging Face cache
+    local snapshot
+    for snapshot in "$REAL_MODEL" "${HF_HUB_CACHE:-${HF_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/huggingface}/hub}"/models--hfl--chinese-bert-wwm-ext/snapshots/*; do
+        if has_weights "$snapshot"; then echo "$snapshot"; return 0; fi
+    done
+    return 1
+}
 explicit=$((${#steps[@]} > 0))
 if [ "$explicit" = 0 ]; then
-    if has_weights "$REAL_MODEL"; then steps=(real); else steps=(base-shape); fi
+    if real_model > /dev/null; then steps=(real); else steps=(base-shape); fi
     steps+=(compiled tests tiny)
 fi
 
@@ -221,9 +229,8 @@ for step in "${steps[@]}"; do
             ;;
         base-shape|real|compiled)
             model=base-shape
-            if [ "$step" = real ] || { [ "$step" = compiled ] && has_weights "$REAL_MODEL"; }; then
-                has_weights "$REAL_MODEL" || { echo "error: no weights in $REAL_MODEL (model_hub/README.md)" >&2; failed+=(real); continue; }
-                model=$REAL_MODEL
+            if [ "$step" = real ] || { [ "$step" = compiled ] && real_model > /dev/null; }; then
+                model=$(real_model) || { echo "error: no weights in $REAL_MODEL or the Hugging Face cache (model_hub/README.md)" >&2; failed+=(real); continue; }
             fi
             rows=$FIRST_ROWS,$(strategies)  # benchmark.py runs a row named twice once
             [ "$step" != compiled ] || rows=$COMPILE_ROWS

@@ -403,7 +403,7 @@ def profiled_benchmark(tmp_path_factory):
 # hook for subprocess.Popen, so nothing is replaced) and the CPU seconds they and the test spent (the
 # launched processes' once they ended; a Slurm job's run under slurmd, not here). Each test report
 # carries its own, so that under pytest-xdist the controller adds up what every worker ran. Printed at
-# the end of every run; docs/tests.md keeps the figures of a whole run on 2 cores.
+# the end of every run; the README gives the whole suite's duration on 2 cores.
 _launches = [None]
 _cpu_at = [0.0]
 

@@ -9,6 +9,7 @@ import pytest
 
 import benchmark
 import benchmark_report
+import cli
 import machine
 import models
 from conftest import CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, run, run_in_process
@@ -308,16 +309,25 @@ def test_without_matplotlib_the_tables_are_written_and_the_chart_is_left_out(tmp
     assert "benchmark.png not drawn: matplotlib is not installed" in capsys.readouterr().out
 
 
-def test_the_benchmark_page_shows_the_committed_benchmark_verbatim():
-    page = benchmark_report.PUBLISHED_PAGE.read_text(encoding="utf-8")
-    published = benchmark_report.published_tables(page)
-    assert published, "docs/benchmark.md shows no committed benchmark run"
-    for path, shown in published.items():
-        committed = (ROOT / path).read_text(encoding="utf-8")
-        assert committed == "# Benchmark\n\n" + shown, f"docs/benchmark.md differs from {path}: run benchmark.py --publish"
-        folder = (ROOT / path).parent
-        assert (folder / "benchmark.json").is_file() and (folder / "benchmark.png").is_file()
-        assert json.loads((folder / "benchmark.json").read_text(encoding="utf-8"))["repeat"] >= 2  # a noise floor
+def test_every_published_run_is_whole_and_the_readme_quotes_one_with_a_noise_floor():
+    """--publish copies a run's tables, JSON and chart to docs/results/<folder>/, which the pages link
+    to; the run the README's table quotes was repeated, so it has a noise floor."""
+    folders = sorted(path for path in (ROOT / "docs" / "results").iterdir() if path.is_dir())
+    assert folders, "docs/results/ holds no published run"
+    for folder in folders:
+        assert all((folder / name).is_file() for name in ("benchmark.md", "benchmark.json", "benchmark.png")), folder
+    assert json.loads(benchmark.REFERENCE_RUN.read_text(encoding="utf-8"))["repeat"] >= 2
+    assert "(docs/results/amd-epyc-2-cores/benchmark.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_more_processes_than_gpus_are_refused_before_any_launch():
+    """Each process takes one GPU: on 2 GPUs a sweep to 4 would fail at its first 4-process row, after
+    the others had run. CPU processes (--device cpu) have no such limit."""
+    with pytest.raises(cli.UserError, match="--nprocs 1,2,4: this machine has 2 GPU"):
+        benchmark.parse_args(["--nprocs", "1,2,4"], gpus=2)
+    assert benchmark.parse_args(["--nprocs", "1,2"], gpus=2).counts == [1, 2]
+    assert benchmark.parse_args(["--nprocs", "4", "--device", "cpu"], gpus=2).counts == [4]
+    assert benchmark.parse_args(["--nprocs", "4"], gpus=0).counts == [4]
 
 
 def test_without_a_gpu_the_runner_trains_the_tiny_model_unless_told_otherwise(monkeypatch):
