@@ -33,6 +33,7 @@ reason and the others still run. The exit status is 0 only when every requested 
 """
 import argparse
 import datetime
+import contextlib
 import importlib.util
 import json
 import os
@@ -349,6 +350,8 @@ def parse_counts(value):
 
 def names(option, value, known):
     chosen = [name.strip() for name in value.split(",") if name.strip()]
+    if not chosen:
+        raise cli.UserError(f"{option} names no row; choose from {','.join(known)} (--list describes them)")
     unknown = [name for name in chosen if name not in known]
     if unknown:
         raise cli.UserError(f"{option}: unknown row {', '.join(unknown)}; choose from {','.join(known)} "
@@ -370,8 +373,8 @@ def check_args(args, passthrough, default_nprocs):
     args.variants = {variant.name: variant for variant in BUILT_IN_VARIANTS + own}
     args.strategy_options = parse_strategy_args(args.strategy_args)
     defaults = [v.name for v in DEFAULT_ROWS + own] + (REAL_SIZE_EXTRA_ROWS if args.real_size else [])
-    chosen = names("--only", args.only, args.variants) if args.only else defaults
-    skip = names("--skip", args.skip, args.variants) if args.skip else []
+    chosen = names("--only", args.only, args.variants) if args.only is not None else defaults
+    skip = names("--skip", args.skip, args.variants) if args.skip is not None else []
     args.rows = [args.variants[name] for name in dict.fromkeys(chosen) if name not in skip]
     if not args.rows and not args.list:
         raise cli.UserError("--only and --skip leave no row to run")
@@ -678,17 +681,36 @@ def launch_cell(args, cell, model, gpus):
 
 
 def stop(process):
-    """End the launcher and every process it started (they share its session)."""
+    """End the launcher and every process it started (they share its session, which is its process
+    group): waiting for the launcher alone would let a process it started outlive this one."""
     for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
             return
-        try:
-            process.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            process.poll()  # reaps the launcher
+            if not group_runs(process.pid):
+                return
+            time.sleep(0.1)
+
+
+def group_runs(group):
+    """Whether a process of `group` still runs: one that exited and waits for a parent to reap it (a
+    zombie) does not, though signals still reach it."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    if not Path("/proc/self/stat").exists():  # no /proc to tell zombies apart
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            state, _, process_group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(process_group) == group and state != "Z":
+                return True
+    return False
 
 
 def failure_reason(log_path):

@@ -5,6 +5,8 @@ Imports nothing heavy (no torch, no transformers): what only plans runs, as the 
 reads the options at once.
 """
 import argparse
+import fcntl
+import math
 import os
 import re
 import signal
@@ -17,6 +19,8 @@ ROOT = Path(__file__).resolve().parent
 # Models with random weights learn from scratch (a higher rate); BERT-base's depth needs a lower one than tiny's.
 DEFAULT_LR = {"tiny": 1e-3, "base-shape": 1e-4, "pretrained": 3e-5}
 PRECISIONS = ["fp32", "bf16", "fp16"]
+# Room for [CLS], one token of text and [SEP]: a shorter --max-seq-len truncates nothing, silently.
+MIN_SEQ_LEN = 3
 
 
 class UserError(Exception):
@@ -39,6 +43,8 @@ def run(main):
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         main()
+    except SystemExit:
+        raise
     except UserError as error:
         if rank == 0 or error.only_this_rank:
             print(f"error: {error}", file=sys.stderr)
@@ -52,10 +58,24 @@ def run(main):
         print(f"error: rank {rank} could not reach the process group at {os.environ.get('MASTER_ADDR')}:"
               f"{os.environ.get('MASTER_PORT')} within --dist-timeout: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
-    except Exception as error:
+    except BaseException as error:  # not just Exception: torch.distributed.checkpoint's errors derive from BaseException
         traceback.print_exc()
-        print(f"error: rank {rank} failed: {type(error).__name__}: {error}", file=sys.stderr)
+        print(f"error: rank {rank} failed: {describe(first_cause(error))}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        release_output_dir()
+
+
+def first_cause(error):
+    """The error itself, or the first rank's of the failures torch.distributed.checkpoint gathers into one."""
+    failures = getattr(error, "failures", None)
+    return next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else error
+
+
+def describe(error):
+    """The error's type and the first line of its message."""
+    message = str(error).strip()
+    return f"{type(error).__name__}: {message.splitlines()[0]}" if message else type(error).__name__
 
 
 def current_rank():
@@ -146,6 +166,8 @@ def add_precision_arg(parser, default="fp32", default_help=None):
 
 
 def check_args(args):
+    """Every value checked before any work (a traceback deep in torch otherwise, or a silent nonsense
+    run), then --output-dir claimed for this run."""
     if args.max_samples < 2:
         raise UserError(f"--max-samples must be at least 2, got {args.max_samples}")
     for name in ("save_steps", "profile", "max_steps"):
@@ -153,18 +175,82 @@ def check_args(args):
             raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     if not 0 < args.dev_ratio < 1:
         raise UserError(f"--dev-ratio must be between 0 and 1, got {args.dev_ratio}")
-    if args.lr is not None and not args.lr > 0:
-        raise UserError(f"--lr must be positive, got {args.lr:g}")
-    if args.weight_decay < 0:
-        raise UserError(f"--weight-decay must be 0 or more, got {args.weight_decay:g}")
+    if args.lr is not None and not 0 < args.lr < math.inf:
+        raise UserError(f"--lr must be a positive number, got {args.lr:g}")
+    if not 0 <= args.weight_decay < math.inf:
+        raise UserError(f"--weight-decay must be a number, 0 or more, got {args.weight_decay:g}")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        raise UserError(f"--dropout must be at least 0 and below 1, got {args.dropout:g}")
+    if not 0 < getattr(args, "dist_timeout", 1) < math.inf:
+        raise UserError(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout:g}")
+    if not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed must be between 0 and 2**32 - 1 (numpy's range), got {args.seed}")
+    for name in ("num_workers", "eval_steps"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if args.max_seq_len < MIN_SEQ_LEN:
+        raise UserError(f"--max-seq-len must be at least {MIN_SEQ_LEN} ([CLS], a token, [SEP]), got {args.max_seq_len}")
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise UserError(f"--output-dir {args.output_dir} is a file, not a folder")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1, got {args.threads}")
-    for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "log_steps"):
+    for name in ("epochs", "batch_size", "grad_accum", "log_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if current_rank() == 0 and getattr(args, "node_rank", 0) == 0:  # the process that writes the results
+        claim_output_dir(Path(args.output_dir))
     return args
+
+
+# ----------------------------------------------------------------------------- one run per output folder
+
+# The run writing --output-dir holds an OS lock on this file in it: a second run into the folder is
+# refused, and a run that crashed leaves no stale lock (the OS drops it with the process).
+LOCK_FILE = ".lock"
+output_lock = None  # (the open lock file, whether this run created the folder) while this process holds it
+
+
+def claim_output_dir(path):
+    """Make --output-dir this run's, before any work: writable, and used by no other run."""
+    global output_lock
+    if output_lock is not None and Path(output_lock[0].name).parent == path:
+        return
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        while True:
+            lock = open(path / LOCK_FILE, "a+", encoding="utf-8")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "another run"
+                lock.close()
+                raise UserError(f"--output-dir {path} is in use by {holder}: wait for that run to end, or "
+                                "choose another --output-dir") from None
+            # The holder before us may have removed the file between our open and our lock: lock anew.
+            if os.path.exists(path / LOCK_FILE) and os.path.samestat(os.fstat(lock.fileno()), os.stat(path / LOCK_FILE)):
+                break
+            lock.close()
+        lock.truncate(0)
+        lock.write(f"the run of pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+    except OSError as error:  # read-only, not ours, or full: found now, not after the training
+        raise UserError(f"--output-dir {path} is not writable: {error.strerror}") from None
+    output_lock = lock, created
+
+
+def release_output_dir():
+    global output_lock
+    if output_lock is None:
+        return
+    lock, created = output_lock
+    output_lock = None
+    folder = Path(lock.name).parent
+    Path(lock.name).unlink(missing_ok=True)
+    lock.close()
+    if created and not any(folder.iterdir()):  # a run refused before it wrote anything leaves no trace
+        folder.rmdir()
 
 
 def launch_environment(how_to_launch):

@@ -13,6 +13,7 @@ import json
 import math
 import random
 import time
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -76,8 +77,8 @@ def load_records(path):
         text, label = normalize_text(record[0]), record[1]
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(LABELS):
             raise UserError(f"{path}: record {index} has label {label!r}; labels are integers 0-{len(LABELS) - 1}")
-        if not text:
-            raise UserError(f"{path}: record {index} has an empty text")
+        if all(unicodedata.category(character).startswith("C") for character in text):  # the tokenizer drops them
+            raise UserError(f"{path}: record {index} has an empty text (only spaces or control characters)")
         records.append((text, label))
     return records
 

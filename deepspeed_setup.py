@@ -1,8 +1,12 @@
 """The helpers of multi-gpu-deepspeed-cls.py that are not the lesson: its options, the config merging
-and checks, the optimizer choice, --estimate-memory, DeepSpeed's config errors in one line, and the
-shared memory it leaves behind."""
+and checks, the optimizer choice, --estimate-memory, DeepSpeed's config errors in one line, the
+shared memory it leaves behind, and the ranks' end when the deepspeed command is stopped."""
 import contextlib
+import json
 import os
+import signal
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -51,9 +55,33 @@ def import_deepspeed(device):
     return deepspeed
 
 
+def stop_with_the_launcher(local_rank):
+    """The `deepspeed` command starts deepspeed.launcher.launch, which starts the ranks; a signal sent
+    to the command alone (a `timeout`, a scheduler, a CI cancel) ends it but is not passed on, and the
+    ranks would train on. launch.py does pass SIGTERM on to every rank: local rank 0 watches for it
+    to lose its parent, the command, and then sends it one. (Started by anything else, nothing changes.)"""
+    import psutil  # a dependency of DeepSpeed's launcher
+    launch = psutil.Process(os.getppid())
+    if local_rank != 0 or "deepspeed.launcher.launch" not in launch.cmdline():
+        return
+    command = launch.ppid()
+
+    def watch():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            while launch.ppid() == command:
+                time.sleep(1)
+            launch.send_signal(signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def build_config(args, device, world_size):
     """The DeepSpeed config: the file (if any), the flags on top of it, then the batch sizes."""
     config = files.read_json_object(args.deepspeed_config, "DeepSpeed config") if args.deepspeed_config else {}
+    for section in ("zero_optimization", "fp16", "bf16"):
+        if not isinstance(config.get(section, {}), dict):
+            raise cli.UserError(f"{args.deepspeed_config}: \"{section}\" must be a JSON object (like "
+                                f"{{\"enabled\": true}}), got {json.dumps(config[section])}")
     if "optimizer" in config or "scheduler" in config:
         raise cli.UserError(f"{args.deepspeed_config}: remove its optimizer/scheduler section: this script "
                             "builds AdamW from --lr and --weight-decay, as every script of the suite does")

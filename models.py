@@ -11,6 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
 from files import read_json_object
 from cli import DEFAULT_LR, ROOT, UserError
@@ -153,7 +154,7 @@ def load_pretrained(name, seed, overrides):
         with torch.random.fork_rng():
             torch.manual_seed(seed)  # the new classification head starts the same in every process
             model = transformers.AutoModelForSequenceClassification.from_pretrained(name, **overrides)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SafetensorError) as error:  # SafetensorError: a truncated model.safetensors
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"could not load model {name}: {first_line}") from None
     return tokenizer, model

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
 import cli
 import common
@@ -22,8 +23,8 @@ def load_checkpoint(path):
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        raise cli.UserError(f"could not load the model at {path}: {error}") from None
+    except (OSError, ValueError, SafetensorError) as error:  # SafetensorError: a truncated model.safetensors
+        raise cli.UserError(f"could not load the model at {path}: {str(error).strip().splitlines()[0]}") from None
     return tokenizer, model.eval()
 
 
@@ -36,7 +37,11 @@ def read_texts(args):
         path = Path(args.file)
         if not path.is_file():
             raise cli.UserError(f"text file not found: {path}")
-        texts += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as error:
+            raise cli.UserError(f"{path} is not UTF-8 text (one text per line): {error}") from None
+        texts += [line.strip() for line in lines if line.strip()]
     if not texts:
         raise cli.UserError("no text to classify: give texts as arguments or --file")
     return texts
@@ -62,6 +67,8 @@ def main():
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("texts", nargs="*", help="texts to classify")
     args = parser.parse_args()
+    if args.max_seq_len < cli.MIN_SEQ_LEN:
+        raise cli.UserError(f"--max-seq-len must be at least {cli.MIN_SEQ_LEN} ([CLS], a token, [SEP]), got {args.max_seq_len}")
 
     texts = read_texts(args)
     tokenizer, model = load_checkpoint(args.checkpoint)

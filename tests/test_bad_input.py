@@ -3,6 +3,7 @@
 Each check ends before training, so it runs the script in this interpreter (run_in_process); the
 two of the quick tier launch a Python of their own, as a user does."""
 import json
+import shutil
 
 import pytest
 
@@ -43,6 +44,7 @@ GOOD = [["今天 天气 真好", 5]] * 3
     (GOOD + [["今天", 6]], ["record 3", "label 6"]),
     (GOOD + [["今天", "2"]], ["record 3", "label '2'"]),
     (GOOD + [[" \n", 2]], ["record 3", "empty text"]),
+    (GOOD + [["\x00\x07\u200b", 2]], ["record 3", "empty text"]),  # the tokenizer drops control characters
 ])
 def test_malformed_data_is_named_with_its_record(tmp_path, content, fragments):
     path = write(tmp_path, content)
@@ -91,12 +93,49 @@ def test_predict_with_no_text(tmp_path):
 
 
 @pytest.mark.parametrize("option, value, fragment", [
-    ("--lr", "-1", "--lr must be positive, got -1"),
-    ("--weight-decay", "-0.1", "--weight-decay must be 0 or more"),
+    ("--lr", "-1", "--lr must be a positive number, got -1"),
+    ("--lr", "inf", "--lr must be a positive number, got inf"),
+    ("--weight-decay", "-0.1", "--weight-decay must be a number, 0 or more"),
+    ("--weight-decay", "nan", "--weight-decay must be a number, 0 or more, got nan"),
     ("--max-steps", "-1", "--max-steps must be 0 or more, got -1"),
+    ("--seed", "-5", "--seed must be between 0 and 2**32 - 1"),
+    ("--seed", str(2**32), "--seed must be between 0 and 2**32 - 1"),
+    ("--num-workers", "-1", "--num-workers must be 0 or more, got -1"),
+    ("--eval-steps", "-1", "--eval-steps must be 0 or more, got -1"),
+    ("--dropout", "1.5", "--dropout must be at least 0 and below 1, got 1.5"),
+    ("--max-seq-len", "1", "--max-seq-len must be at least 3"),
 ])
 def test_bad_numbers_are_refused_before_any_work(option, value, fragment):
     assert_clean_error(train(option, value, "--data", "no-such-file.json"), fragment)  # before the data is read
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_dist_timeout_that_is_not_positive_is_refused(value):
+    process = run_in_process(["multi-gpu-distributed-cls.py", *SMALL, "--dist-timeout", value])
+    assert_clean_error(process, "--dist-timeout must be a positive number of seconds")
+
+
+@pytest.mark.parametrize("value", ["0", "1", "-5"])
+def test_predict_refuses_a_max_seq_len_too_short_for_one_token(value):
+    process = run_in_process(["predict.py", "--checkpoint", "nowhere", "--max-seq-len", value, "你好"])
+    assert_clean_error(process, "--max-seq-len must be at least 3")
+
+
+def test_predict_refuses_a_binary_file(tmp_path):
+    path = tmp_path / "texts.bin"
+    path.write_bytes(bytes(range(256)))
+    process = run_in_process(["predict.py", "--checkpoint", str(tmp_path), "--file", str(path)])
+    assert_clean_error(process, str(path), "is not UTF-8 text")
+
+
+def test_a_truncated_model_is_named_in_training_and_in_predict(tmp_path, single_reference):
+    model = shutil.copytree(single_reference / "model", tmp_path / "model")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert_clean_error(train("--model", str(model), "--output-dir", str(tmp_path / "out")), "could not load model",
+                       str(model))
+    assert_clean_error(run_in_process(["predict.py", "--checkpoint", str(model), "你好"]),
+                       "could not load the model", str(model))
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_training(tmp_path):
@@ -140,3 +179,25 @@ def test_more_processes_than_gpus_share_them_only_over_gloo(monkeypatch):
     assert machine.resolve_device("cpu", 3) == torch.device("cpu")
     assert machine.backend_for(torch.device("cuda", 0)) == "nccl"
     assert machine.backend_for(torch.device("cuda", 0), "gloo") == "gloo"
+
+
+def test_a_second_run_into_the_same_output_dir_is_refused_naming_the_first(tmp_path):
+    """The first run is another open lock of the folder, as another process's would be; the OS drops
+    it with its holder, so a lock file left by a run that crashed stops nobody."""
+    import fcntl
+    import cli
+    with open(tmp_path / cli.LOCK_FILE, "w", encoding="utf-8") as first:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        first.write("the run of pid 4242 on somehost")
+        first.flush()
+        assert_clean_error(train("--output-dir", str(tmp_path)), f"--output-dir {tmp_path} is in use by the run "
+                                                                  "of pid 4242 on somehost")
+    assert_clean_error(train("--output-dir", str(tmp_path), "--data", "no-such-file.json"), "data file not found")
+    assert not list(tmp_path.iterdir())  # the lock is removed with its run
+
+
+def test_a_read_only_output_dir_is_refused_before_training(tmp_path):
+    from test_reliability import mounted_tmpfs
+    with mounted_tmpfs(tmp_path, "ro"):
+        assert_clean_error(train("--output-dir", str(tmp_path / "out")), f"--output-dir {tmp_path / 'out'} is not "
+                                                                          "writable: Read-only file system")

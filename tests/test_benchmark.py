@@ -159,6 +159,7 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--global-batch", "64", "--nprocs", "1,2,3"], "error: --global-batch 64 does not split evenly over 3 processes"),
     (["--global-batch", "64", "--batch-size", "16"], "error: --global-batch sets each script's --batch-size"),
     (["--only", "single", "--skip", "single"], "error: --only and --skip leave no row to run"),
+    (["--only", ""], "error: --only names no row; choose from"),
     (["--nprocs", "1,x"], "error: --nprocs takes process counts of at least 1"),
     (["--variant", "mine=fsdp1:--x"], "error: --variant mine: unknown strategy fsdp1"),
     (["--variant", "mine"], "error: --variant 'mine': write NAME=STRATEGY:\"OPTIONS\""),
