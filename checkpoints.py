@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cli import UserError
-from files import replace_dir, staged_dir, write_json
+from cli import UserError, describe, first_cause
+from files import removed_on_failure, replace_dir, staged_dir, write_json
 
 # A training checkpoint: the state, and what its step means, readable by a person.
 CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"
@@ -55,7 +55,8 @@ def resume(trainer):
     checkpoint, strategy = trainer.output_dir / "checkpoint", trainer.strategy
     if not trainer.args.resume:
         return 0
-    saved = strategy.checkpoint_meaning(checkpoint)
+    with readable(checkpoint):
+        saved = strategy.checkpoint_meaning(checkpoint)
     if not strategy.broadcast_object(saved is not None):
         trainer.log(f"--resume: no checkpoint in {checkpoint}, starting from step 0")
         return 0
@@ -67,11 +68,25 @@ def resume(trainer):
     if differences:
         raise UserError(f"--resume: the checkpoint in {checkpoint} was written with " + ", ".join(differences)
                         + ": its step means other samples here. Resume with its settings, or remove it")
-    state = strategy.load_state(trainer.model, trainer.optimizer, checkpoint)
+    with readable(checkpoint):
+        state = strategy.load_state(trainer.model, trainer.optimizer, checkpoint)
     set_random_states(state["random_states"][strategy.rank])
     strategy.load_extra_state(state["strategy_state"])
     trainer.log(f"--resume: continuing from step {state['step']} ({checkpoint})")
     return state["step"]
+
+
+@contextlib.contextmanager
+def readable(checkpoint):
+    """A checkpoint that cannot be read (truncated, corrupt) is named in one line, not in the traceback
+    of whichever library reads its kind of files."""
+    try:
+        yield
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # torch.distributed.checkpoint's errors derive from BaseException
+        raise UserError(f"--resume: the checkpoint in {checkpoint} cannot be read ({describe(first_cause(error))}): "
+                        "remove it to start from step 0", only_this_rank=True) from None
 
 
 # ----------------------------------------------------------------------------- checkpoint files
@@ -88,15 +103,17 @@ def staged_checkpoint(path, state, is_main, barrier):
     """Yield the staging folder of a training checkpoint that every process writes part of (its
     shards), by a collective save that returns once all of them are written. Rank 0 empties it
     first; after the block it adds `state` and swaps the folder in whole, so an interrupted save
-    leaves the previous checkpoint whole. `barrier()` waits for every process."""
+    leaves the previous checkpoint whole, and a failed one removes its staging (rank 0).
+    `barrier()` waits for every process."""
     staging = path.with_name(f".{path.name}.staging")  # the same name in every process
     if is_main:
         shutil.rmtree(staging, ignore_errors=True)
     barrier()
-    yield staging
-    if is_main:
-        write_training_state(staging, state)
-        replace_dir(staging, path)
+    with removed_on_failure(staging, remove=is_main):
+        yield staging
+        if is_main:
+            write_training_state(staging, state)
+            replace_dir(staging, path)
     barrier()
 
 

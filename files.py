@@ -1,12 +1,13 @@
 """Files and folders written whole: a reader, or a run that was interrupted, sees the old contents
 or the new ones, never half of either. JSON in, one clear error for a broken file."""
 import contextlib
+import errno
 import json
 import os
 import shutil
 from pathlib import Path
 
-from cli import UserError
+from cli import UserError, first_cause
 
 
 @contextlib.contextmanager
@@ -18,12 +19,43 @@ def staged_dir(path):
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    try:
+    with removed_on_failure(staging):
         yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     replace_dir(staging, path)
+
+
+# torch.save on a full disk fails with "unexpected pos ..." and no errno: a failed write that leaves
+# less than this free on its disk is taken for a full disk.
+NEARLY_FULL_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def removed_on_failure(folder, remove=True):
+    """Remove the half-written `folder` if the block fails (when `remove`: the process that owns it),
+    and name a full disk as such instead of the library's error deep in a write."""
+    try:
+        yield
+    except BaseException as error:
+        if remove:
+            shutil.rmtree(folder, ignore_errors=True)
+        if is_disk_full(error, folder):
+            raise UserError(f"no space left on {existing_parent(folder)}: free some space or choose another "
+                            "--output-dir (the previous checkpoint and model are kept)", only_this_rank=True) from error
+        raise
+
+
+def is_disk_full(error, folder):
+    causes = [error, error.__cause__, error.__context__, first_cause(error)]
+    if any(isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT) for cause in causes):
+        return True
+    return not isinstance(error, KeyboardInterrupt) and shutil.disk_usage(existing_parent(folder)).free < NEARLY_FULL_BYTES
+
+
+def existing_parent(path):
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def replace_dir(staging, path):

@@ -98,12 +98,13 @@ class DeepSpeed(common.TorchDistributed):
     def save_state(self, model, optimizer, path, state):
         # --save-steps: DeepSpeed's own sharded checkpoint, every rank its part. It writes `latest`,
         # the name of the newest complete one, last: until then the previous one stands. Older
-        # ones are removed after.
+        # ones are removed after, and a save that failed removes its own.
         tag = Path(path) / f"step{state['step']}"
-        if self.is_main:
-            tag.mkdir(parents=True, exist_ok=True)
-            files.write_json(tag / checkpoints.MEANING_FILE, {"step": state["step"], **state["meaning"]})
-        self.engine.save_checkpoint(path, tag=tag.name, client_state=state)
+        with files.removed_on_failure(tag, remove=self.is_main):
+            if self.is_main:
+                tag.mkdir(parents=True, exist_ok=True)
+                files.write_json(tag / checkpoints.MEANING_FILE, {"step": state["step"], **state["meaning"]})
+            self.engine.save_checkpoint(path, tag=tag.name, client_state=state)
         if self.is_main:
             for old in Path(path).glob("step*"):
                 if old != tag:
@@ -147,6 +148,7 @@ def main():
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
     rank, world_size, local_rank, local_world_size = cli.launch_environment(
         "deepspeed --num_gpus N multi-gpu-deepspeed-cls.py")
+    deepspeed_setup.stop_with_the_launcher(local_rank)  # the deepspeed command stopped, its ranks stop too
     device = machine.resolve_device(args.device, local_rank)
     deepspeed = deepspeed_setup.import_deepspeed(device)  # on the accelerator --device names
 

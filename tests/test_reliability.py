@@ -1,4 +1,6 @@
 """Distributed runs fail cleanly: interrupted runs stop everywhere, resume, and lose nothing."""
+import contextlib
+import errno
 import hashlib
 import os
 import shutil
@@ -101,3 +103,77 @@ def test_spawn_refuses_a_master_port_in_use(script):
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1] == (
         f"error: --master-port {port} is in use on this machine: name another, or leave it out to get a free one")
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(folder, *options):
+    """A small disk of its own at `folder` (the tests run as root), unmounted however the block ends."""
+    if os.geteuid() != 0:
+        pytest.fail("the disk tests mount a tmpfs: run the suite as root (as CI and test.sh do)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(["size=256k", *options]), "tmpfs", str(folder)],
+                   check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_disk_during_a_sharded_checkpoint_is_named_and_keeps_the_previous_one(tmp_path):
+    """torch.distributed.checkpoint, as FSDP2 saves, in one process: its errors derive from
+    BaseException, and the full disk is found in another thread's write."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import checkpoints
+    import cli
+    with mounted_tmpfs(tmp_path):
+        state = {"step": 1, "meaning": {}}
+        with checkpoints.staged_checkpoint(tmp_path / "checkpoint", state, True, lambda: None) as staging:
+            dcp.save({"weights": torch.zeros(1000)}, checkpoint_id=staging)
+        before = digest(tmp_path)
+        with pytest.raises(cli.UserError, match=f"^no space left on {tmp_path}: "):
+            with checkpoints.staged_checkpoint(tmp_path / "checkpoint", state, True, lambda: None) as staging:
+                dcp.save({"weights": torch.zeros(100_000)}, checkpoint_id=staging)
+        assert digest(tmp_path) == before  # the staging removed, the previous checkpoint whole
+        assert checkpoints.read_meaning(tmp_path / "checkpoint")["step"] == 1
+
+
+def test_a_full_disk_during_a_whole_checkpoint_is_named_and_keeps_the_previous_one(tmp_path):
+    """torch.save's own error on a full disk ("unexpected pos ...") names neither."""
+    import torch
+    import checkpoints
+    import cli
+    with mounted_tmpfs(tmp_path):
+        checkpoints.save_whole(tmp_path / "checkpoint", {"step": 1, "meaning": {}, "weights": torch.zeros(1000)})
+        before = digest(tmp_path)
+        with pytest.raises(cli.UserError, match=f"^no space left on {tmp_path}: "):
+            checkpoints.save_whole(tmp_path / "checkpoint", {"step": 2, "meaning": {}, "weights": torch.zeros(100_000)})
+        assert digest(tmp_path) == before
+
+
+def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(capsys):
+    """torch.distributed.checkpoint's CheckpointException is not an Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    import cli
+
+    def main():
+        raise CheckpointException("load failed", {0: (OSError(errno.EIO, "I/O error"), None)})
+    with pytest.raises(SystemExit) as exit:
+        cli.run(main)
+    assert exit.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: rank 0 failed: OSError: [Errno 5] I/O error")
+
+
+def test_an_unreadable_checkpoint_is_named_in_one_line(tmp_path):
+    """A truncated training_state.pt (or DCP shard, or DeepSpeed's), a corrupt meaning.json."""
+    import torch
+    import checkpoints
+    import cli
+    checkpoints.save_whole(tmp_path / "checkpoint", {"step": 1, "meaning": {}, "weights": torch.zeros(1000)})
+    state_file = tmp_path / "checkpoint" / checkpoints.CHECKPOINT_FILE
+    state_file.write_bytes(state_file.read_bytes()[:500])
+    (tmp_path / "checkpoint" / checkpoints.MEANING_FILE).write_text("{\"step\": 1,", encoding="utf-8")
+    for read in (checkpoints.read_meaning, checkpoints.read_training_state):
+        with pytest.raises(cli.UserError, match=f"^--resume: the checkpoint in {tmp_path} cannot be read "):
+            with checkpoints.readable(tmp_path):
+                read(tmp_path / "checkpoint")
