@@ -6,12 +6,14 @@ reads the options at once.
 """
 import argparse
 import fcntl
+import json
 import math
 import os
 import re
 import signal
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -46,8 +48,7 @@ def run(main):
     except SystemExit:
         raise
     except UserError as error:
-        if rank == 0 or error.only_this_rank:
-            print(f"error: {error}", file=sys.stderr)
+        report(f"error: {error}", printed=rank == 0 or error.only_this_rank)
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted", file=sys.stderr)
@@ -55,15 +56,25 @@ def run(main):
     except (dist.DistNetworkError, dist.DistStoreError) as error:
         # The rendezvous never came together within --dist-timeout: a wrong address, a blocked port, or
         # a process (a node) that never started. Where is in the message; a traceback would add nothing.
-        print(f"error: rank {rank} could not reach the process group at {os.environ.get('MASTER_ADDR')}:"
-              f"{os.environ.get('MASTER_PORT')} within --dist-timeout: {str(error).splitlines()[0]}", file=sys.stderr)
+        report(f"error: rank {rank} could not reach the process group at {os.environ.get('MASTER_ADDR')}:"
+               f"{os.environ.get('MASTER_PORT')} within --dist-timeout: {str(error).splitlines()[0]}")
         sys.exit(1)
     except BaseException as error:  # not just Exception: torch.distributed.checkpoint's errors derive from BaseException
         traceback.print_exc()
-        print(f"error: rank {rank} failed: {describe(first_cause(error))}", file=sys.stderr)
+        report(f"error: rank {rank} failed: {describe(first_cause(error))}")
         sys.exit(1)
     finally:
         release_output_dir()
+
+
+def report(line, printed=True):
+    """The failure's one line on stderr, and for torchrun (and the launchers built on it) in the error
+    file it names: its closing summary then repeats the line instead of a link to its docs."""
+    if printed:
+        print(line, file=sys.stderr)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as error_file:
+            json.dump({"message": line, "timestamp": int(time.time())}, error_file)
 
 
 def first_cause(error):

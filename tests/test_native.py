@@ -94,9 +94,11 @@ def assert_failure_names_rank_1(crashed):
 
 def test_a_failing_rank_stops_torchrun(crashed_run):
     stderr = assert_failure_names_rank_1(crashed_run("ddp"))
-    # torchrun's summary names the first rank that failed as the root cause.
+    # torchrun's summary names the first rank that failed as the root cause, and repeats its line from
+    # the error file the script wrote (not a link to torchrun's docs).
     root_cause = stderr.split("Root Cause")[-1]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), stderr
+    assert "traceback : error: rank 1 failed: RuntimeError: failure injected" in root_cause, stderr
 
 
 def test_a_failing_rank_stops_spawn(crashed_run):

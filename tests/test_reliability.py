@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, run_in_process
+from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, free_port, require, run_in_process
 
 
 def digest(folder):
@@ -21,6 +21,9 @@ LAUNCH = {
     "torchrun": lambda: [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
                          "multi-gpu-distributed-cls.py"],
     "spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2"],
+    # The deepspeed command passes no signal on: its ranks must notice that it is gone.
+    "deepspeed": lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
+                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2"],
 }
 
 
@@ -32,9 +35,11 @@ def start_long_run(launch, output_dir):
 
 
 @pytest.mark.parametrize("launch, how", [("torchrun", "sigterm-to-launcher"), ("torchrun", "ctrl-c-to-group"),
-                                         ("spawn", "sigterm-to-launcher")])
+                                         ("spawn", "sigterm-to-launcher"), ("deepspeed", "sigterm-to-launcher")])
 def test_interrupting_a_run_stops_every_process_and_keeps_the_previous_results(tmp_path, single_reference, launch,
                                                                                 how):
+    if launch == "deepspeed":
+        require("deepspeed")
     for name in ("model", "result.json"):  # the results of an earlier run in the same folder
         (shutil.copytree if name == "model" else shutil.copy)(single_reference / name, tmp_path / name)
     before = digest(tmp_path)
