@@ -13,6 +13,7 @@ from pathlib import Path
 import pydantic
 import torch
 
+import checkpoints
 import cli
 import common
 import files
@@ -73,6 +74,17 @@ def stop_with_the_launcher(local_rank):
             launch.send_signal(signal.SIGTERM)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+@contextlib.contextmanager
+def step_folder(tag, state, is_main):
+    """The folder of one --save-steps checkpoint, which rank 0 creates with what its step means and
+    removes if the save fails (`latest` still names the previous one)."""
+    if is_main:
+        tag.mkdir(parents=True, exist_ok=True)
+        files.write_json(tag / checkpoints.MEANING_FILE, {"step": state["step"], **state["meaning"]})
+    with files.removed_on_failure(tag, remove=is_main):
+        yield
 
 
 def build_config(args, device, world_size):

@@ -30,7 +30,6 @@ import checkpoints
 import cli
 import common
 import deepspeed_setup
-import files
 import machine
 
 
@@ -98,12 +97,9 @@ class DeepSpeed(common.TorchDistributed):
     def save_state(self, model, optimizer, path, state):
         # --save-steps: DeepSpeed's own sharded checkpoint, every rank its part. It writes `latest`,
         # the name of the newest complete one, last: until then the previous one stands. Older
-        # ones are removed after, and a save that failed removes its own.
+        # ones are removed after; a save that fails removes its own.
         tag = Path(path) / f"step{state['step']}"
-        with files.removed_on_failure(tag, remove=self.is_main):
-            if self.is_main:
-                tag.mkdir(parents=True, exist_ok=True)
-                files.write_json(tag / checkpoints.MEANING_FILE, {"step": state["step"], **state["meaning"]})
+        with deepspeed_setup.step_folder(tag, state, self.is_main):  # with its meaning.json
             self.engine.save_checkpoint(path, tag=tag.name, client_state=state)
         if self.is_main:
             for old in Path(path).glob("step*"):
