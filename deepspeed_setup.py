@@ -62,10 +62,15 @@ def stop_with_the_launcher(local_rank):
     ranks would train on. launch.py does pass SIGTERM on to every rank: local rank 0 watches for it
     to lose its parent, the command, and then sends it one. (Started by anything else, nothing changes.)"""
     import psutil  # a dependency of DeepSpeed's launcher
-    launch = psutil.Process(os.getppid())
-    if local_rank != 0 or "deepspeed.launcher.launch" not in launch.cmdline():
+    if local_rank != 0:
         return
-    command = launch.ppid()
+    try:
+        launch = psutil.Process(os.getppid())
+        if "deepspeed.launcher.launch" not in launch.cmdline():
+            return
+        command = launch.ppid()
+    except psutil.Error:  # a parent this process may not inspect is not DeepSpeed's launcher
+        return
 
     def watch():
         with contextlib.suppress(psutil.NoSuchProcess):

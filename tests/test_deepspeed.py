@@ -88,8 +88,10 @@ def write_config(tmp_path, config):
     (["--deepspeed-config", "configs/deepspeed/nope.json"], "DeepSpeed config not found"),
     ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}, "remove its optimizer/scheduler section"),
     ({"train_micro_batch_size_per_gpu": 16}, "sets train_micro_batch_size_per_gpu 16, but the command line gives 32"),
+    ({"fp16": True}, '"fp16" must be a JSON object (like {"enabled": true}), got true'),
+    ({"zero_optimization": 2}, '"zero_optimization" must be a JSON object'),
 ], ids=["param-offload-stage2", "flag-overrides-file", "offload-stage0", "no-accumulation", "config-accumulation",
-        "missing-config", "config-optimizer", "config-batch"])
+        "missing-config", "config-optimizer", "config-batch", "config-fp16-not-an-object", "config-zero-not-an-object"])
 def test_bad_deepspeed_options_fail_before_training(tmp_path, args, fragment):
     if isinstance(args, dict):
         args = ["--deepspeed-config", write_config(tmp_path, args)]
