@@ -4,6 +4,8 @@ import argparse
 import importlib.util
 import json
 import re
+import subprocess
+import time
 
 import pytest
 
@@ -12,7 +14,8 @@ import benchmark_report
 import cli
 import machine
 import models
-from conftest import CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, read_result, run, run_in_process
+from conftest import (CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, processes_mentioning, read_result, run,
+                      run_in_process)
 
 # --device cpu goes through to every script; CPU_ONLY keeps the runner's own choices (process count,
 # launcher options) on the CPU too, as on a machine without GPUs.
@@ -393,3 +396,17 @@ def test_the_runner_plans_without_torch():
             "print(len(cells), sorted({'torch', 'common', 'machine', 'models'} & set(sys.modules)))")
     planned, loaded = run([PYTHON, "-c", plan]).stdout.split(maxsplit=1)
     assert int(planned) > 1 and loaded.strip() == "[]"
+
+
+def test_a_stopped_launch_leaves_no_process_of_its_own(tmp_path):
+    """As DeepSpeed's launch.py outlives the deepspeed command by seconds: the launcher ends at once on
+    SIGTERM, a process it started takes a second to end, and the runner waits for that one too."""
+    marker = str(tmp_path)
+    slow_to_stop = f"trap 'sleep 1; exit' TERM; : {marker}; sleep 30 & wait"
+    launch = subprocess.Popen(["bash", "-c", f'bash -c "{slow_to_stop}" & wait'], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not processes_mentioning(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # its trap set
+    benchmark.stop(launch)
+    assert processes_mentioning(marker) == []
