@@ -48,7 +48,8 @@ def run(main):
     except SystemExit:
         raise
     except UserError as error:
-        report(f"error: {error}", printed=rank == 0 or error.only_this_rank)
+        if rank == 0 or error.only_this_rank:  # rank 0 speaks for all
+            report(f"error: {error}")
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted", file=sys.stderr)
@@ -67,11 +68,10 @@ def run(main):
         release_output_dir()
 
 
-def report(line, printed=True):
+def report(line):
     """The failure's one line on stderr, and for torchrun (and the launchers built on it) in the error
     file it names: its closing summary then repeats the line instead of a link to its docs."""
-    if printed:
-        print(line, file=sys.stderr)
+    print(line, file=sys.stderr)
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as error_file:
             json.dump({"message": line, "timestamp": int(time.time())}, error_file)
