@@ -168,17 +168,3 @@ def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(caps
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: rank 0 failed: OSError: [Errno 5] I/O error")
 
-
-def test_an_unreadable_checkpoint_is_named_in_one_line(tmp_path):
-    """A truncated training_state.pt (or DCP shard, or DeepSpeed's), a corrupt meaning.json."""
-    import torch
-    import checkpoints
-    import cli
-    checkpoints.save_whole(tmp_path / "checkpoint", {"step": 1, "meaning": {}, "weights": torch.zeros(1000)})
-    state_file = tmp_path / "checkpoint" / checkpoints.CHECKPOINT_FILE
-    state_file.write_bytes(state_file.read_bytes()[:500])
-    (tmp_path / "checkpoint" / checkpoints.MEANING_FILE).write_text("{\"step\": 1,", encoding="utf-8")
-    for read in (checkpoints.read_meaning, checkpoints.read_training_state):
-        with pytest.raises(cli.UserError, match=f"^--resume: the checkpoint in {tmp_path} cannot be read "):
-            with checkpoints.readable(tmp_path):
-                read(tmp_path / "checkpoint")

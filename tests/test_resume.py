@@ -7,8 +7,10 @@ import subprocess
 
 import pytest
 
+import checkpoints
 import models
-from conftest import BIN, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_result, run
+from conftest import BIN, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_result, run, run_in_process
+from test_bad_input import assert_clean_error
 
 # The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
 # The uninterrupted run each resumed one must equal: one device at 16 x 2 micro-batches, or 2
@@ -93,3 +95,14 @@ def test_a_checkpoint_one_machine_cannot_read_fails_the_job_in_one_line(tmp_path
     assert "error: --resume: rank 0 found a checkpoint" in stderr
     assert "--output-dir must be on a filesystem every machine shares" in stderr
     assert "error: --resume" not in outputs[1][1]  # rank 0 speaks for all
+
+
+@pytest.mark.parametrize("damaged", [checkpoints.CHECKPOINT_FILE, checkpoints.MEANING_FILE])
+def test_a_truncated_checkpoint_is_named_in_one_line(tmp_path, crashed_run, damaged):
+    """The single run's step-8 checkpoint cut in half, resumed in this interpreter: it fails before training.
+    (A sharded one fails in the same place, checkpoints.readable, whichever library reads it.)"""
+    shutil.copytree(crashed_run("single").output / "checkpoint", tmp_path / "checkpoint")
+    path = tmp_path / "checkpoint" / damaged
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    process = run_in_process([*RESUMABLE["single"]()[1:], *RESUME, "--resume", "--output-dir", str(tmp_path)])
+    assert_clean_error(process, f"--resume: the checkpoint in {tmp_path / 'checkpoint'} cannot be read")
