@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from cli import UserError, describe, first_cause
-from files import removed_on_failure, replace_dir, staged_dir, write_json
+from files import existing_parent, removed_on_failure, replace_dir, staged_dir, write_json
 
 # A training checkpoint: the state, and what its step means, readable by a person.
 CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"
@@ -38,6 +38,21 @@ def meaning(trainer):
             "max_samples": args.max_samples, "dev_ratio": args.dev_ratio, "seed": args.seed,
             "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length, "model": trainer.model_name,
             "precision": strategy.precision}
+
+
+def check_free_space(trainer):
+    """Before any training: room on --output-dir's disk for the model and, with --save-steps, one
+    checkpoint (the weights and AdamW's two moments), in fp32. A full disk is otherwise found at the
+    first save, after the training before it."""
+    parameters = sum(getattr(p, "ds_numel", p.numel())  # ZeRO-3 keeps only a shard's numel
+                     for p in trainer.strategy.unwrap(trainer.model).parameters())
+    needed = parameters * 4 * (4 if trainer.args.save_steps else 1)
+    disk = existing_parent(trainer.output_dir)
+    free = shutil.disk_usage(disk).free
+    if needed > free:
+        raise UserError(f"no space left on {disk}: the model{' and a checkpoint' if trainer.args.save_steps else ''} "
+                        f"need about {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB is free: free some space or "
+                        "choose another --output-dir")
 
 
 def save(trainer, step):

@@ -246,6 +246,7 @@ class Trainer:
     def fit(self):
         """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
         results.announce(self)
+        checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
         # Measurements beside the loop, called at its named points: the model state and the
         # throughput always, the tests' own hooks when a test asks for them, the step profile with --profile.

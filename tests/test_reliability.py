@@ -123,6 +123,14 @@ def mounted_tmpfs(folder, *options):
         subprocess.run(["umount", str(folder)], check=True)
 
 
+def test_a_disk_without_room_for_the_model_and_a_checkpoint_is_refused_before_training(tmp_path):
+    from test_bad_input import assert_clean_error
+    with mounted_tmpfs(tmp_path):
+        process = run_in_process(["single-gpu-cls.py", *SMALL, "--save-steps", "4", "--output-dir", str(tmp_path)])
+        assert_clean_error(process, f"no space left on {tmp_path}: the model and a checkpoint need about")
+        assert "【train】" not in process.stdout
+
+
 def test_a_full_disk_during_a_sharded_checkpoint_is_named_and_keeps_the_previous_one(tmp_path):
     """torch.distributed.checkpoint, as FSDP2 saves, in one process: its errors derive from
     BaseException, and the full disk is found in another thread's write."""
