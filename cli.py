@@ -45,7 +45,7 @@ def run(main):
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         main()
-    except SystemExit:
+    except SystemExit:  # the script's own exit status stands
         raise
     except UserError as error:
         if rank == 0 or error.only_this_rank:  # rank 0 speaks for all
@@ -60,7 +60,7 @@ def run(main):
         report(f"error: rank {rank} could not reach the process group at {os.environ.get('MASTER_ADDR')}:"
                f"{os.environ.get('MASTER_PORT')} within --dist-timeout: {str(error).splitlines()[0]}")
         sys.exit(1)
-    except BaseException as error:  # not just Exception: torch.distributed.checkpoint's errors derive from BaseException
+    except BaseException as error:  # torch.distributed.checkpoint's errors derive from BaseException, not Exception
         traceback.print_exc()
         report(f"error: rank {rank} failed: {describe(first_cause(error))}")
         sys.exit(1)
@@ -240,7 +240,8 @@ def claim_output_dir(path):
                 raise UserError(f"--output-dir {path} is in use by {holder}: wait for that run to end, or "
                                 "choose another --output-dir") from None
             # The holder before us may have removed the file between our open and our lock: lock anew.
-            if os.path.exists(path / LOCK_FILE) and os.path.samestat(os.fstat(lock.fileno()), os.stat(path / LOCK_FILE)):
+            current = path / LOCK_FILE
+            if current.exists() and os.path.samestat(os.fstat(lock.fileno()), current.stat()):
                 break
             lock.close()
         lock.truncate(0)
@@ -252,6 +253,8 @@ def claim_output_dir(path):
 
 
 def release_output_dir():
+    """At the end of the run that claimed --output-dir: the lock file goes, and the folder too if the
+    run created it and wrote nothing."""
     global output_lock
     if output_lock is None:
         return
@@ -260,7 +263,7 @@ def release_output_dir():
     folder = Path(lock.name).parent
     Path(lock.name).unlink(missing_ok=True)
     lock.close()
-    if created and not any(folder.iterdir()):  # a run refused before it wrote anything leaves no trace
+    if created and not any(folder.iterdir()):
         folder.rmdir()
 
 

@@ -45,13 +45,18 @@ def removed_on_failure(folder, remove=True):
 
 
 def is_disk_full(error, folder):
+    """Whether a write into `folder` failed for want of space: ENOSPC (or a quota) among its causes, or
+    an error of a library that says neither on a disk with next to nothing left."""
     causes = [error, error.__cause__, error.__context__, first_cause(error)]
     if any(isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT) for cause in causes):
         return True
-    return not isinstance(error, KeyboardInterrupt) and shutil.disk_usage(existing_parent(folder)).free < NEARLY_FULL_BYTES
+    if isinstance(error, KeyboardInterrupt):
+        return False
+    return shutil.disk_usage(existing_parent(folder)).free < NEARLY_FULL_BYTES
 
 
 def existing_parent(path):
+    """`path`, or its nearest folder that exists: where a disk's free space can be read."""
     path = Path(path).resolve()
     while not path.exists():
         path = path.parent

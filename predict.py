@@ -68,7 +68,8 @@ def main():
     parser.add_argument("texts", nargs="*", help="texts to classify")
     args = parser.parse_args()
     if args.max_seq_len < cli.MIN_SEQ_LEN:
-        raise cli.UserError(f"--max-seq-len must be at least {cli.MIN_SEQ_LEN} ([CLS], a token, [SEP]), got {args.max_seq_len}")
+        raise cli.UserError(f"--max-seq-len must be at least {cli.MIN_SEQ_LEN} ([CLS], a token, [SEP]), "
+                            f"got {args.max_seq_len}")
 
     texts = read_texts(args)
     tokenizer, model = load_checkpoint(args.checkpoint)
