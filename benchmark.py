@@ -32,8 +32,8 @@ A row whose script or dependency is missing, or whose launch fails or times out,
 reason and the others still run. The exit status is 0 only when every requested row succeeded.
 """
 import argparse
-import datetime
 import contextlib
+import datetime
 import importlib.util
 import json
 import os

@@ -61,9 +61,9 @@ def stop_with_the_launcher(local_rank):
     to the command alone (a `timeout`, a scheduler, a CI cancel) ends it but is not passed on, and the
     ranks would train on. launch.py does pass SIGTERM on to every rank: local rank 0 watches for it
     to lose its parent, the command, and then sends it one. (Started by anything else, nothing changes.)"""
-    import psutil  # a dependency of DeepSpeed's launcher
     if local_rank != 0:
         return
+    import psutil  # a dependency of DeepSpeed's launcher
     try:
         launch = psutil.Process(os.getppid())
         if "deepspeed.launcher.launch" not in launch.cmdline():

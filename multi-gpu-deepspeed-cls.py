@@ -144,7 +144,7 @@ def main():
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
     rank, world_size, local_rank, local_world_size = cli.launch_environment(
         "deepspeed --num_gpus N multi-gpu-deepspeed-cls.py")
-    deepspeed_setup.stop_with_the_launcher(local_rank)  # the deepspeed command stopped, its ranks stop too
+    deepspeed_setup.stop_with_the_launcher(local_rank)  # it passes no signal on: the ranks stop once it is gone
     device = machine.resolve_device(args.device, local_rank)
     deepspeed = deepspeed_setup.import_deepspeed(device)  # on the accelerator --device names
 
