@@ -163,6 +163,20 @@ def test_a_full_disk_during_a_whole_checkpoint_is_named_and_keeps_the_previous_o
         assert digest(tmp_path) == before
 
 
+def test_a_full_disk_during_a_deepspeed_step_removes_its_folder_and_latest_names_the_previous_one(tmp_path):
+    """DeepSpeed writes `latest` last; its step folder is the part a failed save leaves (in one process:
+    each rank's shard is a torch.save)."""
+    import torch
+    import cli
+    import deepspeed_setup
+    with mounted_tmpfs(tmp_path):
+        (tmp_path / "latest").write_text("step4", encoding="utf-8")
+        with pytest.raises(cli.UserError, match=f"^no space left on {tmp_path}: "):
+            with deepspeed_setup.step_folder(tmp_path / "step8", {"step": 8, "meaning": {}}, True):
+                torch.save(torch.zeros(100_000), tmp_path / "step8" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
 def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(capsys):
     """torch.distributed.checkpoint's CheckpointException is not an Exception."""
     from torch.distributed.checkpoint.api import CheckpointException
