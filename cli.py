@@ -5,6 +5,7 @@ Imports nothing heavy (no torch, no transformers): what only plans runs, as the 
 reads the options at once.
 """
 import argparse
+import contextlib
 import fcntl
 import json
 import math
@@ -73,8 +74,8 @@ def report(line):
     file it names: its closing summary then repeats the line instead of a link to its docs."""
     print(line, file=sys.stderr)
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as error_file:
-            json.dump({"message": line, "timestamp": int(time.time())}, error_file)
+        with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as file:
+            json.dump({"message": line, "timestamp": int(time.time())}, file)
 
 
 def first_cause(error):
