@@ -5,6 +5,7 @@ import contextlib
 import json
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from cli import UserError, describe, first_cause
 from files import existing_parent, removed_on_failure, replace_dir, staged_dir, write_json
+from measure import Callback
 
 # A training checkpoint: the state, and what its step means, readable by a person.
 CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"
@@ -102,6 +104,36 @@ def readable(checkpoint):
     except BaseException as error:  # torch.distributed.checkpoint's errors derive from BaseException
         raise UserError(f"--resume: the checkpoint in {checkpoint} cannot be read ({describe(first_cause(error))}): "
                         "remove it to start from step 0", only_this_rank=True) from None
+
+
+class SaveOnSignal(Callback):
+    """--save-on-signal: a scheduler's SIGTERM (preemption) or SIGUSR1 (a warning before the time limit)
+    while training ends the run at the end of a step, with a checkpoint of that step. The processes may
+    get the signal at different steps: after each step they agree whether any did (one small all-reduce,
+    made only with this option), so that all save the same step. A callback of the Trainer's loop."""
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received, self.previous = None, {}
+
+    def on_train_begin(self, trainer):
+        for number in self.SIGNALS:
+            self.previous[number] = signal.signal(number, self.receive)
+
+    def receive(self, number, frame):
+        self.received = signal.Signals(number).name
+
+    def on_step_end(self, trainer, step):
+        strategy = trainer.strategy
+        told = strategy.reduce_mean(torch.tensor(float(self.received is not None), device=strategy.device))
+        if told.item() > 0:
+            save(trainer, step)
+            raise UserError(f"stopped by {self.received or 'a signal to another process'} after step {step}: "
+                            f"checkpoint saved in {trainer.output_dir / 'checkpoint'}; --resume continues from it")
+
+    def on_train_end(self, trainer):
+        for number, handler in self.previous.items():  # evaluation and saving stop at once again
+            signal.signal(number, handler)
 
 
 # ----------------------------------------------------------------------------- checkpoint files

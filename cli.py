@@ -147,6 +147,9 @@ def build_parser(script_file, description):
                         help="save a training checkpoint (for --resume) every N steps; 0 = never")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the training checkpoint in --output-dir, if there is one")
+    parser.add_argument("--save-on-signal", action="store_true",
+                        help="on SIGTERM or SIGUSR1 (a scheduler's notice before preemption or the time limit), "
+                             "every process finishes its step, a checkpoint is saved, and the run stops")
     parser.add_argument("--compile", action="store_true",
                         help="compile the model with torch.compile: its first steps pay the compilation "
                              "(first_step_seconds in result.json), later ones run fused kernels")

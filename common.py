@@ -248,12 +248,15 @@ class Trainer:
         results.announce(self)
         checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
-        # Measurements beside the loop, called at its named points: the model state and the
-        # throughput always, the tests' own hooks when a test asks for them, the step profile with --profile.
+        # Callbacks beside the loop, called at its named points: the model state and the throughput
+        # always, the tests' own hooks when a test asks for them, the step profile with --profile, and a
+        # checkpoint when a scheduler signals with --save-on-signal.
         self.callbacks = [measure.ModelStateCount(self.strategy, self.model, self.optimizer),
                           measure.Throughput(self), *measure.callbacks_for_tests(self)]
         if self.args.profile:
             self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
+        if self.args.save_on_signal:
+            self.callbacks.append(checkpoints.SaveOnSignal())
         progress = self.train(first_step)
         metrics = self.evaluate()
         self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")

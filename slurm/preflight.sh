@@ -13,9 +13,10 @@ fi
 # --gres, a broken driver) stops in one line instead of training on the CPU for hours. An option
 # --device given to the batch file comes later and wins.
 set -- --device "${DEVICE:-cuda}" "$@"
-# A job that writes checkpoints (--save-steps) continues from the last one when Slurm requeues it or
-# torchrun restarts its workers; --resume starts at step 0 where there is none yet.
-[[ " $* " != *" --save-steps"* ]] || set -- "$@" --resume
+# A job that writes checkpoints (--save-steps) also writes one when Slurm signals it (preemption, or the
+# --signal before the time limit), and continues from the last one when it runs again (a requeue, a
+# resubmission); --resume starts at step 0 where there is none yet.
+[[ " $* " != *" --save-steps"* ]] || set -- "$@" --save-on-signal --resume
 
 # The first node of the job hosts the rendezvous; srun starts rank 0 there.
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoints
 import cli
 import machine
 from conftest import (EXACT, DEV_SAMPLES, PYTHON, ROOT, SMALL, assert_same_weights, processes_mentioning,
@@ -209,16 +210,22 @@ def rank_process(output_dir, rank):
     return None
 
 
-def test_a_node_lost_mid_run_ends_the_job_and_the_same_job_resubmitted_resumes_by_itself(
-        cluster, tmp_path):
-    # 22 steps, a checkpoint every 4: node2's process is killed once the first one is there.
-    two_epochs = ["--epochs", "2", "--save-steps", "4", "--dist-timeout", "60"]
-    uninterrupted = tmp_path / "uninterrupted"
-    run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--epochs", "2", "--threads", "1",
-         "--output-dir", str(uninterrupted)])
+# 22 steps; with --save-steps the batch files add --save-on-signal and --resume.
+TWO_EPOCHS = ["--epochs", "2", "--dist-timeout", "60"]
 
-    output = tmp_path / "out"
-    job, log = submit("srun", output, *TRAIN, *two_epochs, wait=False)
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    output = tmp_path_factory.mktemp("uninterrupted")
+    run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--epochs", "2", "--threads", "1", "--output-dir", str(output)])
+    return output
+
+
+def test_a_node_lost_mid_run_ends_the_job_and_the_same_job_resubmitted_resumes_by_itself(cluster, uninterrupted,
+                                                                                           tmp_path):
+    # A checkpoint every 4 steps: node2's process is killed once the first one is there.
+    output, every_4 = tmp_path / "out", [*TWO_EPOCHS, "--save-steps", "4"]
+    job, log = submit("srun", output, *TRAIN, *every_4, wait=False)
     started = time.monotonic()
     while not (output / "checkpoint").exists():
         assert job.poll() is None, "the job ended before its first checkpoint"
@@ -233,9 +240,31 @@ def test_a_node_lost_mid_run_ends_the_job_and_the_same_job_resubmitted_resumes_b
     print(f"node lost: job ended {time.monotonic() - started:.0f} s after submission")
 
     # The same job again, as a requeue starts it: with --save-steps the batch file resumes by itself.
-    exit_code, log_text = submit("srun", output, *TRAIN, *two_epochs)
+    exit_code, log_text = submit("srun", output, *TRAIN, *every_4)
     assert exit_code == 0, log_text[-4000:]
     assert read_result(output)["resumed_from_step"] >= 4
+    assert_same_weights(uninterrupted / "model", output / "model")
+
+
+def test_a_job_signalled_before_preemption_saves_its_step_and_resumes_from_it(cluster, uninterrupted, tmp_path):
+    """Slurm's SIGTERM (preemption, or --signal before the time limit) reaches torchrun and its workers:
+    they agree on a step, save it and stop; the job run again continues from that step."""
+    output, rarely = tmp_path / "out", [*TWO_EPOCHS, "--save-steps", "100"]  # no checkpoint but the signal's
+    job, log = submit("torchrun", output, *TRAIN, *rarely, wait=False)
+    while "step：5/22" not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert job.poll() is None, "the job ended before step 5"
+        time.sleep(0.1)
+    slurm("scancel", "--signal=TERM", job.id)
+    assert job.wait(timeout=60) != 0
+    text = log.read_text(errors="replace")
+    stopped = [line for line in error_lines(text) if line.startswith("error: stopped by SIGTERM after step ")]
+    assert stopped and not (output / "result.json").exists(), text[-4000:]
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    assert 5 <= step < 22 and checkpoints.read_meaning(output / "checkpoint")["step"] == step
+
+    exit_code, log_text = submit("torchrun", output, *TRAIN, *rarely)
+    assert exit_code == 0, log_text[-4000:]
+    assert read_result(output)["resumed_from_step"] == step
     assert_same_weights(uninterrupted / "model", output / "model")
 
 
