@@ -325,6 +325,32 @@ def use_slurm_task_environment():
               f"(the first node; MASTER_ADDR and MASTER_PORT override it)", flush=True)
 
 
+def use_slurm_for_horovod():
+    """Horovod's rank variables from srun's, for one srun task per process (slurm/horovod.sbatch runs
+    the gloo rendezvous horovodrun would run): what horovodrun sets in each process it starts."""
+    env = os.environ
+    if "HOROVOD_RANK" in env or not started_by_srun():
+        return
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in env:
+        raise UserError("srun started this script without Horovod's rendezvous: submit slurm/horovod.sbatch, "
+                        "which runs one, or start it with horovodrun")
+    global srun_started_this_process
+    srun_started_this_process = True
+    node, local_rank = int(env["SLURM_NODEID"]), int(env["SLURM_LOCALID"])
+    tasks_per_node = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env["SLURM_TASKS_PER_NODE"])
+    # The "cross" group: the processes of this local rank, one on each node that has one.
+    peers = [index for index, tasks in enumerate(tasks_per_node) if tasks > local_rank]
+    env.update(HOROVOD_RANK=env["SLURM_PROCID"], HOROVOD_SIZE=env["SLURM_NTASKS"],
+               HOROVOD_LOCAL_RANK=str(local_rank), HOROVOD_LOCAL_SIZE=str(tasks_per_node[node]),
+               HOROVOD_CROSS_RANK=str(peers.index(node)), HOROVOD_CROSS_SIZE=str(len(peers)),
+               HOROVOD_HOSTNAME=env.get("SLURMD_NODENAME") or socket.gethostname(),
+               HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo")
+    if env["HOROVOD_RANK"] == "0":
+        print(f"launcher: srun, one task per process: Horovod's ranks from SLURM_PROCID, SLURM_NTASKS and "
+              f"SLURM_LOCALID; rendezvous {env['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
+              f"{env.get('HOROVOD_GLOO_RENDEZVOUS_PORT')}", flush=True)
+
+
 def expand_tasks_per_node(value):
     """Slurm's compressed tasks per node, one count per node: '2(x3),1' -> [2, 2, 2, 1]."""
     counts = []

@@ -3,8 +3,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python multi-gpu-horovod-cls.py
     horovodrun -np 2 -H localhost:2 --gloo python multi-gpu-horovod-cls.py --fp16-allreduce
 
-    # two machines, 2 GPUs each (run on host1 only; horovodrun starts the processes on host2 over
-    # passwordless ssh, so the repository and .venv must be at the same path on both):
+    # two machines, 2 GPUs each, from host1 (over ssh, same paths on both; Slurm: slurm/horovod.sbatch):
     horovodrun -np 4 -H host1:2,host2:2 --gloo python multi-gpu-horovod-cls.py
 
 Each process holds a full copy of the model and trains on its own shard of every batch. Horovod's
@@ -80,6 +79,7 @@ def main():
 
     # 1. Join the job horovodrun started. The global rank decides who prints and saves; the local
     #    rank (the process's index on its machine) decides which GPU it uses.
+    cli.use_slurm_for_horovod()  # one srun task per process (slurm/horovod.sbatch): ranks from Slurm
     hvd.init()
     check_launched()
     device = machine.resolve_device(args.device, hvd.local_rank())

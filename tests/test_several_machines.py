@@ -49,6 +49,20 @@ def test_master_addr_and_port_set_by_the_user_win(slurm_task, monkeypatch):
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.9", "29999")
 
 
+def test_horovod_under_srun_takes_its_ranks_from_slurm_with_the_batch_files_rendezvous(slurm_task):
+    with pytest.raises(cli.UserError, match="without Horovod's rendezvous: submit slurm/horovod.sbatch"):
+        cli.use_slurm_for_horovod()
+    os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"] = "gpu07"
+    cli.use_slurm_for_horovod()
+    ranks = [os.environ[f"HOROVOD_{name}"] for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
+                                                         "CROSS_SIZE")]
+    assert ranks == ["1", "3", "0", "1", "1", "2"] and cli.srun_started_this_process  # 2 tasks on gpu07, 1 here
+    del os.environ["HOROVOD_RANK"]
+    os.environ.update(SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0")
+    cli.use_slurm_for_horovod()  # the second task of gpu07: alone at local rank 1
+    assert (os.environ["HOROVOD_CROSS_RANK"], os.environ["HOROVOD_CROSS_SIZE"]) == ("0", "1")
+
+
 def test_a_batch_script_without_srun_still_gets_the_launcher_error(slurm_task):
     del os.environ["SLURM_STEP_ID"]  # the batch script itself: srun did not start this process
     with pytest.raises(cli.UserError, match="runs under a launcher"):
@@ -105,11 +119,12 @@ INTERFACE = "cluster0"  # the veth end in each node
 TRAIN = [*SMALL, *EXACT, "--batch-size", "16", "--threads", "1"]
 # DeepSpeed at ZeRO-3: the weights sharded across the two hosts (ZeRO-2 at 2 processes: the
 # accumulating run and the Trainer's through TrainingArguments).
-BATCH_FILES = {"torchrun": [], "spawn": [], "srun": [], "accelerate": [], "fabric": [],
+BATCH_FILES = {"torchrun": [], "spawn": [], "srun": [], "accelerate": [], "fabric": [], "horovod": [],
                "deepspeed": ["--zero-stage", "3", "--precision", "fp32"]}
 # The strategy and launcher each batch file's result names.
 RAN_AS = {"torchrun": ("ddp", "torchrun"), "spawn": ("ddp", "spawn"), "srun": ("ddp", "srun"),
           "accelerate": ("accelerate", "accelerate launch"), "fabric": ("fabric", "fabric run"),
+          "horovod": ("horovod", "srun"),
           "deepspeed": ("deepspeed", "deepspeed")}
 
 
@@ -164,7 +179,7 @@ def submit(batch_file, output_dir, *script_args, env=None, log=None, wait=True):
     job_env = {**{name: value for name, value in os.environ.items() if not name.endswith("_SOCKET_IFNAME")},
                "OUTPUT_DIR": str(output_dir), "GPUS_PER_NODE": "1", "DEVICE": "cpu", **(env or {})}
     job_id = slurm("sbatch", "--parsable", "--output", str(log),
-                   *(["--ntasks-per-node=1"] if batch_file == "srun" else []),
+                   *(["--ntasks-per-node=1"] if batch_file in ("srun", "horovod") else []),
                    f"slurm/{batch_file}.sbatch", *script_args, env=job_env).strip().split(";")[0]
     job = Job(job_id, log)
     if not wait:
@@ -193,7 +208,7 @@ def test_each_batch_file_trains_the_single_device_weights_on_two_nodes(cluster, 
     assert f"network: {INTERFACE} (NET_INTERFACE overrides it)" in log  # the interface of node1's address
     left = sorted(path.name for path in output.iterdir() if not path.name.startswith("hostfile-"))  # DeepSpeed's job's
     assert left == ["model", "result.json"]  # ZeRO-3's shards too merged into model/ and removed
-    if batch_file == "srun":
+    if batch_file in ("srun", "horovod"):
         assert "launcher: srun, one task per process" in log
     if batch_file == "deepspeed":  # a launcher per host, --no_ssh, the hostfile: DeepSpeed's multi-node launch
         assert (result["zero_stage"], result["precision"]) == (3, "fp32")
