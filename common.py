@@ -244,7 +244,7 @@ class Trainer:
         self.native_precision = computes_natively(strategy.precision, strategy.device)
 
     def fit(self):
-        """Train, evaluate on dev, save the model (rank 0) and write result.json (rank 0)."""
+        """Train, evaluate on dev, save the model (collectively where sharded), write result.json (rank 0)."""
         results.announce(self)
         checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
@@ -510,7 +510,8 @@ class Strategy:
 
 
 class TorchDistributed(Strategy):
-    """The Trainer's collectives (logging, evaluation, checkpoints) over torch.distributed (DDP and DeepSpeed)."""
+    """The Trainer's collectives (logging, evaluation, checkpoints) over torch.distributed: DDP, FSDP2,
+    DeepSpeed and the Hugging Face Trainer."""
 
     def broadcast_object(self, value):
         values = [value]

@@ -58,7 +58,7 @@ class DDPWithAMP(common.TorchDistributed):
         optimizer.zero_grad(set_to_none=True)
 
     def extra_state(self):
-        # AMP 4. The scale the scaler has learned is training state: --resume restores it rather
+        # AMP 3. The scale the scaler has learned is training state: --resume restores it rather
         #        than starting again at 65536 and skipping steps to find it.
         return {"scaler": self.scaler.state_dict()}
 
@@ -87,7 +87,7 @@ def main():
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     spawn_setup.check_launch(args, gpus)
 
-    # AMP 3. fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, many times
+    # AMP 4. fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, many times
     #        slower than fp32, and only some compute bf16 natively (the Trainer says when it is
     #        emulated). Refuse what a process's device cannot run before any process starts.
     if args.precision is None:
