@@ -249,10 +249,10 @@ class Trainer:
         checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
         # Callbacks beside the loop, called at its named points: the model state and the throughput
-        # always, the tests' own hooks when a test asks for them, the step profile with --profile, and a
-        # checkpoint when a scheduler signals with --save-on-signal.
+        # always, any that SUITE_CALLBACKS names, the step profile with --profile, and a checkpoint when
+        # a scheduler signals with --save-on-signal.
         self.callbacks = [measure.ModelStateCount(self.strategy, self.model, self.optimizer),
-                          measure.Throughput(self), *measure.callbacks_for_tests(self)]
+                          measure.Throughput(self), *measure.extra_callbacks(self)]
         if self.args.profile:
             self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
         if self.args.save_on_signal:

@@ -2,8 +2,8 @@
 how many bytes of model state each process really holds against what the ZeRO formulas predict,
 how fast the steps ran against the device's limit (MFU), and where a step's time goes (--profile).
 Each is a `Callback`: the Trainer calls it at the named
-points of its loop, and it adds its fields to result.json. The tests' own hooks (tests/hooks.py) are
-callbacks too, loaded only when a test's environment asks for them."""
+points of its loop, and it adds its fields to result.json. A file named in SUITE_CALLBACKS adds
+callbacks of its own to any script's run, without editing the script."""
 import importlib.util
 import os
 import statistics
@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, record_function
 
 import flops
 import results
+from cli import UserError
 from machine import synchronize
 
 
@@ -273,26 +274,22 @@ def is_dtensor(tensor):
     return module is not None and isinstance(tensor, module.DTensor)
 
 
-# The environment variables of the tests' hooks: tests/hooks.py holds the hooks, outside the project's code.
-FAIL_AT_ENV = "SUITE_FAIL_AT"  # "RANK:STEP": that rank fails right after that optimizer step
-COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"  # count DDP's gradient all-reduces (result.json: gradient_allreduces)
-TEST_HOOKS = Path(__file__).resolve().parent / "tests" / "hooks.py"
+# A Python file whose callbacks(trainer) returns more callbacks for the run: a measurement or a fault
+# added to any script without editing it. Unset in a plain run.
+EXTRA_CALLBACKS_ENV = "SUITE_CALLBACKS"
 
 
-def load_test_hooks():
-    """The module tests/hooks.py when a test's environment asks for one of its hooks, else None."""
-    if not (os.environ.get(FAIL_AT_ENV) or os.environ.get(COUNT_ALLREDUCES_ENV)):
-        return None
-    spec = importlib.util.spec_from_file_location("hooks", TEST_HOOKS)
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
-    return hooks
-
-
-def callbacks_for_tests(trainer):
-    """The callbacks of the tests' hooks that this run's environment asks for (none in a user's run)."""
-    hooks = load_test_hooks()
-    return hooks.callbacks(trainer) if hooks else []
+def extra_callbacks(trainer):
+    """The callbacks of the file SUITE_CALLBACKS names, for `trainer` (none when it is unset)."""
+    path = os.environ.get(EXTRA_CALLBACKS_ENV)
+    if not path:
+        return []
+    if not Path(path).is_file():
+        raise UserError(f"{EXTRA_CALLBACKS_ENV}={path}: no such file (a Python file defining callbacks(trainer))")
+    spec = importlib.util.spec_from_file_location("extra_callbacks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.callbacks(trainer)
 
 
 PHASES = ("data loading", "forward", "backward", "optimizer step")

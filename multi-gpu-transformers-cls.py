@@ -24,7 +24,7 @@ numbered comments say what it does for you. The suite's options map to TrainingA
 Where the Trainer's defaults differ from the suite's they are set back in transformers_setup.py: its
 linear learning-rate decay, gradient clipping at 1.0, fused AdamW, random sampler and loaders, loss
 and loss averaging. With that it is the DDP script run by a library: 3 processes x 11 end with the
-weights of single-gpu-cls.py at 33 (fp32, no shuffling or dropout, tests/test_hf_trainer.py), and
+weights of single-gpu-cls.py at 33 (fp32, no shuffling or dropout: the suite tests it), and
 with shuffling and dropout on, 2 processes end with the DDP script's weights, bit for bit.
 
 DeepSpeed and FSDP come through TrainingArguments too. DeepSpeed runs on CPU processes as well

@@ -3,6 +3,7 @@ defaults set back to the suite's (its learning-rate decay, clipping, fused AdamW
 loss and loss averaging), the DeepSpeed config and the gloo group of CPU processes, the suite's
 printed lines and measurements taken from the Trainer's callbacks, and what the Trainer cannot do,
 refused in one line."""
+import copy
 import os
 import time
 from datetime import timedelta
@@ -295,13 +296,11 @@ class SuiteLines(ProgressCallback):
 class Measurements(TrainerCallback):
     """What common.Trainer measures in its own loop, taken from the Trainer's callbacks: the training
     loop's seconds (evaluations excluded), samples and tokens, peak memory, the model state once
-    Adam's moments exist, DDP's all-reduces (SUITE_COUNT_ALLREDUCES), and the failure the
-    tests inject (SUITE_FAIL_AT="rank:step")."""
+    Adam's moments exist; and the callbacks SUITE_CALLBACKS names, called at each step's end."""
 
     def __init__(self, trainer, strategy, train_loader):
         self.trainer, self.strategy = trainer, strategy
         self.global_batch_sizes = train_loader.batch_sampler.global_batch_sizes()
-        self.test_hooks = measure.load_test_hooks()  # SUITE_FAIL_AT, SUITE_COUNT_ALLREDUCES: tests/hooks.py
         self.tokens = torch.zeros(4, dtype=torch.float64)
         self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
         self.model_state, self.zero_partitions = None, []
@@ -320,11 +319,14 @@ class Measurements(TrainerCallback):
             self.trainer.torch_optimizer.register_step_pre_hook(self.collect_zero_partitions)
         self.model_state = measure.ModelStateCount(self.strategy, self.trainer.model_wrapped,
                                                    self.trainer.torch_optimizer)
-        allreduces = self.test_hooks and self.test_hooks.gradient_allreduce_count(self.trainer.model_wrapped)
+        # The extra callbacks see the model as the Trainer wrapped it (DDP's, DeepSpeed's engine).
+        wrapped = copy.copy(self.trainer.suite)
+        wrapped.model = self.trainer.model_wrapped
+        self.extra = measure.extra_callbacks(wrapped)
         # What common.Trainer.write_result asks for each measurement's result.json fields (on_result).
         self.throughput = measure.Throughput(self.trainer.suite)
         self.trainer.suite.tokens = self.tokens  # what the throughput reads of the steps' work
-        self.trainer.suite.callbacks = [self.model_state, self.throughput] + ([allreduces] if allreduces else [])
+        self.trainer.suite.callbacks = [self.model_state, self.throughput, *self.extra]
         machine.reset_peak_memory(self.strategy.device)
         machine.synchronize(self.strategy.device)
         self.start = time.perf_counter()
@@ -344,9 +346,8 @@ class Measurements(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
-        self.throughput.on_step_end(self.trainer.suite, state.global_step)
-        if self.test_hooks:
-            self.test_hooks.fail_if_asked(self.strategy.rank, state.global_step)
+        for callback in [self.throughput, *self.extra]:
+            callback.on_step_end(self.trainer.suite, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in logs:

@@ -49,6 +49,9 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 EXACT = ["--no-shuffle", "--dropout", "0"]
 
 sys.path.insert(0, str(ROOT))
+# Every run a test starts plugs in the tests' hooks (measure.EXTRA_CALLBACKS_ENV), each inert until a
+# test sets its own variable.
+os.environ["SUITE_CALLBACKS"] = str(ROOT / "tests" / "hooks.py")
 # Two test workers share the cores (test.sh): a waiting OpenMP thread of a launch sleeps instead of
 # spinning on a core the other worker's launch needs. Results do not depend on it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -245,11 +248,11 @@ def ddp_run(tmp_path_factory):
 
     def get(accumulation):
         def launch(output):
-            import measure
+            import hooks
             return run([*launchers[accumulation], "--nproc_per_node", "2", "--master_port", free_port(),
                         "multi-gpu-distributed-cls.py", *SMALL, *EXACT, "--grad-accum", str(accumulation),
                         "--batch-size", str(16 // accumulation), "--output-dir", str(output)],
-                       env={measure.COUNT_ALLREDUCES_ENV: "1"}), output
+                       env={hooks.COUNT_ALLREDUCES_ENV: "1"}), output
         return once_per_session(tmp_path_factory, f"ddp-{accumulation}", launch)
     return get
 
@@ -386,7 +389,7 @@ def profiled_benchmark(tmp_path_factory):
     require("deepspeed")
 
     def launch(output):
-        import measure
+        import hooks
         config = output / "zero3.json"
         config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
         run([PYTHON, "benchmark.py", "--only", ",".join(PROFILED_ROWS), "--nprocs", "2", "--global-batch", "32",
@@ -395,7 +398,7 @@ def profiled_benchmark(tmp_path_factory):
              "--strategy-args", "deepspeed=--offload none", "--strategy-args", "fsdp=--no-reshard-after-forward",
              "--strategy-args", "single=--gradient-checkpointing",
              "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu", *EXACT,
-             "--output-dir", str(output)], env={**CPU_ONLY, measure.COUNT_ALLREDUCES_ENV: "1"}, timeout=1200)
+             "--output-dir", str(output)], env={**CPU_ONLY, hooks.COUNT_ALLREDUCES_ENV: "1"}, timeout=1200)
         return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}
     return once_per_session(tmp_path_factory, "profiled-benchmark", launch)
 

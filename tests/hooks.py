@@ -1,23 +1,28 @@
-"""The tests' hooks inside a training process, switched on by their environment variables (named in
-measure.py, which loads this file only when one is set): a failure injected at a given step, to check
-that a failing rank ends the whole job and that --resume continues where a crash left off, and DDP's
-gradient all-reduces counted, to check that gradient accumulation all-reduces once per step."""
+"""The tests' hooks inside a training process, plugged in as the file SUITE_CALLBACKS names (conftest
+sets it for every run a test starts) and switched on by their own variables: a failure injected at a
+given step, to check that a failing rank ends the whole job and that --resume continues where a crash
+left off, and DDP's gradient all-reduces counted, to check that gradient accumulation all-reduces once
+per step."""
 import os
 
 import measure
 
+FAIL_AT_ENV = "SUITE_FAIL_AT"  # "RANK:STEP": that rank fails right after that optimizer step
+COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"  # count DDP's gradient all-reduces (result.json: gradient_allreduces)
+
 
 def callbacks(trainer):
     """The hooks this process's environment asks for, as callbacks of `trainer`."""
-    allreduces = gradient_allreduce_count(trainer.model)
-    return [InjectedFailure()] + ([allreduces] if allreduces else [])
+    asked = [InjectedFailure()] if os.environ.get(FAIL_AT_ENV) else []
+    allreduces = gradient_allreduce_count(trainer.model) if os.environ.get(COUNT_ALLREDUCES_ENV) else None
+    return asked + ([allreduces] if allreduces else [])
 
 
 def fail_if_asked(rank, step):
-    """Raise when measure.FAIL_AT_ENV ("RANK:STEP") names this rank and this optimizer step."""
-    value = os.environ.get(measure.FAIL_AT_ENV)
+    """Raise when FAIL_AT_ENV ("RANK:STEP") names this rank and this optimizer step."""
+    value = os.environ.get(FAIL_AT_ENV)
     if value and [int(part) for part in value.split(":")] == [rank, step]:
-        raise RuntimeError(f"failure injected by {measure.FAIL_AT_ENV} at step {step}")
+        raise RuntimeError(f"failure injected by {FAIL_AT_ENV} at step {step}")
 
 
 class InjectedFailure(measure.Callback):
@@ -46,10 +51,8 @@ class GradientAllReduceCount(measure.Callback):
 
 
 def gradient_allreduce_count(model):
-    """A counter of DDP's gradient all-reduces when measure.COUNT_ALLREDUCES_ENV asks for one and
-    `model` is DDP or wraps it (Fabric's module wraps its DDP), else None."""
+    """A counter of DDP's gradient all-reduces when `model` is DDP or wraps it (Fabric's module wraps
+    its DDP), else None."""
     from torch.nn.parallel import DistributedDataParallel
     ddp = next((module for module in model.modules() if isinstance(module, DistributedDataParallel)), None)
-    if os.environ.get(measure.COUNT_ALLREDUCES_ENV) and ddp is not None:
-        return GradientAllReduceCount(ddp)
-    return None
+    return GradientAllReduceCount(ddp) if ddp is not None else None

@@ -11,7 +11,7 @@ import transformers
 import cli
 import common
 import machine
-import measure
+import hooks
 import models
 from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_no_process_left, assert_same_weights,
                       free_port, load_weights, predict_dev_accuracy, read_result, require, run, run_in_process,
@@ -38,7 +38,7 @@ def test_fabric_run_learns_counts_each_dev_sample_once_and_ends_with_the_single_
     require("click")  # fabric run's command line, which lightning-fabric does not declare
     process = run([BIN / "fabric", "run", "--accelerator", "cpu", "--devices", "2", "--main-port", free_port(),
                    SCRIPT, *SMALL, *EXACT, "--batch-size", "8", "--grad-accum", "2", "--save-steps", "4",
-                   "--output-dir", str(tmp_path)], env={measure.COUNT_ALLREDUCES_ENV: "1"}, timeout=600)
+                   "--output-dir", str(tmp_path)], env={hooks.COUNT_ALLREDUCES_ENV: "1"}, timeout=600)
     assert "fabric: DDPStrategy, 2 process(es), cpu, precision 32-true" in process.stdout
     result = read_result(tmp_path)
     assert result["strategy"] == "fabric" and result["launcher"] == "fabric run" and result["fabric_strategy"] == "ddp"

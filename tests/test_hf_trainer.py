@@ -10,7 +10,7 @@ import transformers
 
 import common
 import machine
-import measure
+import hooks
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
                       free_port, predict_dev_accuracy, read_result, require, run)
 
@@ -69,7 +69,7 @@ def test_one_process_ends_with_the_single_device_weights(tmp_path, single_refere
 
 
 def test_a_failing_rank_ends_the_job(tmp_path):
-    process = torchrun(2, "--output-dir", str(tmp_path), env={measure.FAIL_AT_ENV: "1:2"}, check=False)
+    process = torchrun(2, "--output-dir", str(tmp_path), env={hooks.FAIL_AT_ENV: "1:2"}, check=False)
     assert process.returncode != 0
     assert "error: rank 1 failed: RuntimeError: failure injected by SUITE_FAIL_AT at step 2" in process.stderr
     assert_no_process_left(str(tmp_path))

@@ -7,9 +7,11 @@ import shutil
 import signal
 import socket
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
+import cli
 from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, free_port, require, run_in_process
 
 
@@ -84,18 +86,23 @@ def test_a_failing_rank_ends_the_whole_job_and_is_named(crashed_run, strategy):
     assert not (crashed.output / "result.json").exists()
 
 
-def test_the_injected_failure_is_the_tests_and_names_its_rank_and_step(monkeypatch):
-    """tests/hooks.py is no part of a user's run: loaded only when a test's variable is set."""
+def test_extra_callbacks_come_only_from_the_file_suite_callbacks_names(monkeypatch, tmp_path):
+    """A plain run has none; the tests' hooks are such a file, and the injected failure names its rank
+    and step; a file that is not there is one line."""
+    import hooks
     import measure
-    monkeypatch.delenv("SUITE_FAIL_AT", raising=False)
-    monkeypatch.delenv("SUITE_COUNT_ALLREDUCES", raising=False)
-    assert measure.load_test_hooks() is None
-    monkeypatch.setenv("SUITE_FAIL_AT", "1:3")
-    hooks = measure.load_test_hooks()
-    hooks.fail_if_asked(0, 3)
-    hooks.fail_if_asked(1, 2)
+    monkeypatch.delenv(measure.EXTRA_CALLBACKS_ENV)
+    assert measure.extra_callbacks(None) == []
+    monkeypatch.setenv(measure.EXTRA_CALLBACKS_ENV, hooks.__file__)
+    monkeypatch.setenv(hooks.FAIL_AT_ENV, "1:3")
+    failure, = measure.extra_callbacks(None)
+    failure.on_step_end(SimpleNamespace(strategy=SimpleNamespace(rank=0)), 3)
+    failure.on_step_end(SimpleNamespace(strategy=SimpleNamespace(rank=1)), 2)
     with pytest.raises(RuntimeError, match="^failure injected by SUITE_FAIL_AT at step 3$"):
-        hooks.fail_if_asked(1, 3)
+        failure.on_step_end(SimpleNamespace(strategy=SimpleNamespace(rank=1)), 3)
+    monkeypatch.setenv(measure.EXTRA_CALLBACKS_ENV, str(tmp_path / "nowhere.py"))
+    with pytest.raises(cli.UserError, match="nowhere.py: no such file"):
+        measure.extra_callbacks(None)
 
 
 @pytest.mark.parametrize("script", ["multi-gpu-distributed-mp-cls.py", "multi-gpu-distributed-mp-amp-cls.py"])
