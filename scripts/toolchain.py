@@ -43,7 +43,7 @@ def is_toolkit(folder):
             and any(any(library.glob("libcudart.so*")) for library in libraries))
 
 
-def candidates(environ, torch_home):
+def candidates(environ, torch_home, last_guess):
     """(where, folder) in torch's order of guesses."""
     for name in ("CUDA_HOME", "CUDA_PATH"):
         if environ.get(name):
@@ -53,13 +53,13 @@ def candidates(environ, torch_home):
     nvcc = shutil.which("nvcc", path=environ.get("PATH", ""))
     if nvcc:
         yield f"nvcc on PATH ({nvcc})", real_nvcc(nvcc).parent.parent
-    yield "/usr/local/cuda", "/usr/local/cuda"
+    yield str(last_guess), last_guess
 
 
-def find_cuda_home(environ, torch_home=None):
+def find_cuda_home(environ, torch_home=None, last_guess="/usr/local/cuda"):
     """(the toolkit's folder or None, the places looked at)."""
     looked = []
-    for where, folder in candidates(environ, torch_home):
+    for where, folder in candidates(environ, torch_home, last_guess):
         if is_toolkit(folder):
             return str(Path(folder).resolve()), looked
         looked.append(where)
