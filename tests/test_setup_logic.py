@@ -3,6 +3,7 @@ what a failed build's log says, and what the set-up scripts print when the machi
 The scripts run against a stand-in Python that answers their questions (milliseconds each); a real
 set-up with PyPI's CUDA torch is scripts/try-pypi-torch.sh, by hand (several GB)."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,40 @@ def test_a_python_that_cannot_run_is_named_in_one_line(bare_checkout, tmp_path):
             f"error: the Python to make .venv from, {python}, cannot be run: {why} (PYTHON=... names a Python "
             "3.11, 3.12 or 3.13 that runs, e.g. PYTHON=/usr/bin/python3.12)"]
         assert not (bare_checkout / ".venv").exists()
+
+
+# A Python whose venv is itself, whose pip only notes the index it was given, and whose probe of torch's
+# CPU index succeeds when REACHABLE=0. The builds it cannot answer fail, as optional builds may.
+SETUP_PYTHON = """#!/bin/sh
+echo "$* index=${PIP_EXTRA_INDEX_URL:-}" >> calls.txt
+case "$*" in
+  *sys.version_info*) echo 3.12;;
+  "-m venv .venv") mkdir -p .venv/bin && cp "$0" .venv/bin/python;;
+  *urlopen*) exit "$REACHABLE";;
+  *"pip install"*) ;;
+  *torch.version.cuda*) echo "torch 2.13.0: the build pip chose";;
+  *) exit 3;;
+esac
+"""
+
+
+@pytest.mark.parametrize("reachable, torch_build", [(True, ""), (False, ""), (True, "pypi")])
+def test_without_an_nvidia_driver_the_set_up_takes_torchs_cpu_build(bare_checkout, tmp_path, reachable, torch_build):
+    python = executable(tmp_path / "python3.12", SETUP_PYTHON)
+    env = {key: value for key, value in os.environ.items() if key not in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL")}
+    process = subprocess.run(["bash", "scripts/setup-env.sh"], cwd=bare_checkout, capture_output=True, text=True,
+                             timeout=60, env={**env, "PYTHON": str(python), "REACHABLE": "0" if reachable else "1",
+                                              "TORCH_BUILD": torch_build})
+    assert process.returncode == 0, process.stderr
+    pip = next(line for line in (bare_checkout / "calls.txt").read_text().splitlines() if "pip install" in line)
+    cpu_index = "https://download.pytorch.org/whl/cpu"
+    driver = Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi")
+    if driver or torch_build == "pypi":
+        assert pip.endswith("index=") and "NVIDIA" not in process.stdout
+    elif reachable:
+        assert pip.endswith(f"index={cpu_index}")
+        assert f"No NVIDIA driver here: torch's CPU build comes from {cpu_index}" in process.stdout
+    else:
+        assert pip.endswith("index=")
+        assert f"No NVIDIA driver here, but {cpu_index} cannot be reached: PyPI's torch is installed" in process.stdout
+    assert "torch 2.13.0: the build pip chose" in process.stdout
