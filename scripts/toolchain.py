@@ -75,7 +75,7 @@ CAUSES = [re.compile(pattern) for pattern in (
     r"^ERROR: ",
     r"^\s*\w*(Error|Exception): ",
 )]
-PIP_SUMMARY = re.compile(r"subprocess-exited-with-error|Failed building wheel|metadata-generation-failed")
+PIP_SUMMARY = re.compile(r"subprocess-exited-with-error|Failed building wheel|Failed to build|metadata-generation-failed")
 
 
 def indent(line):

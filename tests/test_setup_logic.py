@@ -64,7 +64,8 @@ def test_no_toolkit_names_every_place_looked_at(tmp_path):
                       str(tmp_path / "none")]
 
 
-# How pip shows a failed build: its output indented under its own summary.
+# How pip shows a failed build: its output indented under its own summary (as in a real log of Horovod's
+# build against PyPI's CUDA torch, an nvcc wrapper on PATH and no CUDAToolkit_ROOT).
 PIP_FAILED = """Processing /tmp/tmp.x/horovod-0.28.1
   error: subprocess-exited-with-error
   × Building wheel for horovod (pyproject.toml) did not run successfully.
@@ -74,6 +75,7 @@ PIP_FAILED = """Processing /tmp/tmp.x/horovod-0.28.1
       RuntimeError: CMake configuration failed
       [end of output]
   ERROR: Failed building wheel for horovod
+ERROR: Failed to build one or more wheels
 """
 
 
