@@ -25,8 +25,9 @@ python_tag=$("$python" -c 'import sys; print(f"cp{sys.version_info.major}{sys.ve
 cache=${DEEPSPEED_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/distributed-nlp-suite/deepspeed-$version-cpu-ops-torch-$torch_version}
 mkdir -p "$cache"
 
-if ! compgen -G "$cache/deepspeed-$version-$python_tag-*.whl" >/dev/null \
-        && ! compgen -G "$cache/deepspeed-$version-py3-*.whl" >/dev/null; then
+# The folder is shared by every Python of this torch: install this Python's wheel only.
+cached() { compgen -G "$cache/deepspeed-$version-$python_tag-*.whl" || compgen -G "$cache/deepspeed-$version-py3-*.whl"; }
+if ! cached >/dev/null; then
     command -v g++ >/dev/null || fail "building DeepSpeed's CPU ops needs g++ (Debian/Ubuntu: apt-get install g++)"
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
@@ -43,7 +44,7 @@ if ! compgen -G "$cache/deepspeed-$version-$python_tag-*.whl" >/dev/null \
     mv "$cache/.partial" "$cache/$(basename "$built")"
     echo "Built DeepSpeed's CPU ops in $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
 fi
-"$python" -m pip install --quiet --no-deps --force-reinstall "$cache"/deepspeed-"$version"-*.whl
+"$python" -m pip install --quiet --no-deps --force-reinstall "$(cached | head -n 1)"
 # Read from the file the wheel wrote, without importing deepspeed (which would probe for an accelerator).
 "$python" -c 'import importlib.util, sys; found = {}
 package = importlib.util.find_spec("deepspeed").submodule_search_locations[0]

@@ -142,7 +142,8 @@ def test_deepspeeds_cpu_ops_are_installed_for_a_cuda_torch_without_a_gpu(tmp_pat
     installed (here from a wheel already built), and one line says so."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / "deepspeed-0.19.8-cp312-cp312-linux_x86_64.whl").touch()
+    for python_tag in ("cp312", "cp313"):  # the folder is shared by the Pythons of one torch
+        (cache / f"deepspeed-0.19.8-{python_tag}-{python_tag}-linux_x86_64.whl").touch()
     python = stand_in_python(tmp_path, [
         ("importlib.metadata", "0.19.8", 0), ("device_count", "0", 0),
         ("torch.version.cuda is not None", "", 1),  # a CUDA build, in case the script asks
@@ -150,7 +151,8 @@ def test_deepspeeds_cpu_ops_are_installed_for_a_cuda_torch_without_a_gpu(tmp_pat
         ("pip install", "", 0), ("installed_ops", "", 0)])
     process = run_script("build-deepspeed-ops.sh", python, env={"DEEPSPEED_WHEEL_CACHE": str(cache)})
     assert process.returncode == 0, process.stderr
-    assert "deepspeed-0.19.8-cp312-cp312-linux_x86_64.whl" in (tmp_path / "calls.txt").read_text()
+    pip = next(line for line in (tmp_path / "calls.txt").read_text().splitlines() if "pip install" in line)
+    assert "deepspeed-0.19.8-cp312-cp312-linux_x86_64.whl" in pip and "cp313" not in pip
     assert process.stdout == "DeepSpeed 0.19.8: CPU ops cpu_adam and shm_comm prebuilt for the CPU (torch sees no GPU)\n"
 
 
