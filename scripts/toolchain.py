@@ -75,7 +75,8 @@ CAUSES = [re.compile(pattern) for pattern in (
     r"^ERROR: ",
     r"^\s*\w*(Error|Exception): ",
 )]
-PIP_SUMMARY = re.compile(r"subprocess-exited-with-error|Failed building wheel|Failed to build|metadata-generation-failed")
+PIP_SUMMARY = re.compile(r"subprocess-exited-with-error|Failed building wheel|Failed to build|"
+                         r"metadata-generation-failed")
 
 
 def indent(line):

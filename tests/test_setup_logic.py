@@ -153,7 +153,8 @@ def test_deepspeeds_cpu_ops_are_installed_for_a_cuda_torch_without_a_gpu(tmp_pat
     assert process.returncode == 0, process.stderr
     pip = next(line for line in (tmp_path / "calls.txt").read_text().splitlines() if "pip install" in line)
     assert "deepspeed-0.19.8-cp312-cp312-linux_x86_64.whl" in pip and "cp313" not in pip
-    assert process.stdout == "DeepSpeed 0.19.8: CPU ops cpu_adam and shm_comm prebuilt for the CPU (torch sees no GPU)\n"
+    assert process.stdout == ("DeepSpeed 0.19.8: CPU ops cpu_adam and shm_comm prebuilt for the CPU "
+                              "(torch sees no GPU)\n")
 
 
 def test_deepspeed_on_a_gpu_machine_says_what_it_leaves(tmp_path):
