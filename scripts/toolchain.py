@@ -2,7 +2,7 @@
 
     python scripts/toolchain.py cuda-home        the CUDA toolkit's folder, or exit 1 saying where it looked
                                                  (both on stdout: importing torch may log on stderr)
-    python scripts/toolchain.py build-error LOG  the one or two lines of a pip log that give a failure's cause
+    python scripts/toolchain.py build-error LOG  the line of a pip log that gives a failure's cause
 
 The toolkit is looked for where torch looks (torch.utils.cpp_extension: CUDA_HOME or CUDA_PATH, else the
 folder above `nvcc` on PATH, else /usr/local/cuda), with two differences: an `nvcc` that is a symlink or a
@@ -84,17 +84,18 @@ def indent(line):
 
 
 def build_error(text):
-    """The first line of the most telling kind, with the line after it where that continues it (CMake's
-    message is indented below its `CMake Error at FILE:LINE` line); else the last line."""
+    """One line: the first of the most telling kind, joined to the line after it where that continues it
+    (CMake's message is indented below its `CMake Error at FILE:LINE` line); else the log's last line.
+    One line, so that a failed optional build, the script's error and the set-up's warning make three."""
     lines = [line.rstrip() for line in text.splitlines() if line.strip() and not PIP_SUMMARY.search(line)]
     for pattern in CAUSES:
         for index, line in enumerate(lines):
             if pattern.search(line):
-                cause = [line]
+                cause = line.strip()
                 if pattern is CAUSES[0] and index + 1 < len(lines) and indent(lines[index + 1]) > indent(line):
-                    cause.append(lines[index + 1])
-                return [part.strip()[:300] for part in cause]
-    return [(lines or ["(empty log)"])[-1].strip()[:300]]
+                    cause += " " + lines[index + 1].strip()
+                return cause[:400]
+    return (lines or ["(empty log)"])[-1].strip()[:400]
 
 
 def main(argv):
@@ -110,7 +111,7 @@ def main(argv):
         print(home)
         return 0
     if len(argv) == 2 and argv[0] == "build-error":
-        print("\n".join(build_error(Path(argv[1]).read_text(encoding="utf-8", errors="replace"))))
+        print(build_error(Path(argv[1]).read_text(encoding="utf-8", errors="replace")))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

@@ -84,17 +84,17 @@ ERROR: Failed to build one or more wheels
         Could NOT find CUDAToolkit (missing: CUDAToolkit_INCLUDE_DIR CUDA_CUDART) (found
         version "13.0.88")
       Call Stack (most recent call first):""",
-     ["CMake Error at /usr/share/cmake-3.25/Modules/FindPackageHandleStandardArgs.cmake:230 (message):",
-      "Could NOT find CUDAToolkit (missing: CUDAToolkit_INCLUDE_DIR CUDA_CUDART) (found"]),
+     "CMake Error at /usr/share/cmake-3.25/Modules/FindPackageHandleStandardArgs.cmake:230 (message): "
+     "Could NOT find CUDAToolkit (missing: CUDAToolkit_INCLUDE_DIR CUDA_CUDART) (found"),
     ("""      In file included from /x/torch/include/c10/util/Exception.h:5,
       /x/torch/include/c10/macros/Macros.h:5:2: error: #error C++17 or later compatible compiler is required
       make[2]: *** [CMakeFiles/x.dir/build.make:76: x.o] Error 1
       collect2: error: ld returned 1 exit status""",
-     ["/x/torch/include/c10/macros/Macros.h:5:2: error: #error C++17 or later compatible compiler is required"]),
+     "/x/torch/include/c10/macros/Macros.h:5:2: error: #error C++17 or later compatible compiler is required"),
     ("""      /usr/bin/ld: cannot find -lnccl: No such file or directory
       collect2: error: ld returned 1 exit status""",
-     ["/usr/bin/ld: cannot find -lnccl: No such file or directory"]),
-    ("      building 'horovod' ...", ["RuntimeError: CMake configuration failed"]),
+     "/usr/bin/ld: cannot find -lnccl: No such file or directory"),
+    ("      building 'horovod' ...", "RuntimeError: CMake configuration failed"),
 ])
 def test_a_failed_build_is_told_by_its_cause(body, cause):
     assert toolchain.build_error(PIP_FAILED.format(body=body)) == cause
@@ -104,8 +104,8 @@ def test_a_failed_install_is_told_by_pips_error():
     log = ("Collecting torch==9.9\n  WARNING: Retrying (Retry(total=4...)) after connection broken\n"
            "ERROR: Could not find a version that satisfies the requirement torch==9.9 (from versions: none)\n"
            "ERROR: No matching distribution found for torch==9.9\n")
-    assert toolchain.build_error(log) == [
-        "ERROR: Could not find a version that satisfies the requirement torch==9.9 (from versions: none)"]
+    assert toolchain.build_error(log) == (
+        "ERROR: Could not find a version that satisfies the requirement torch==9.9 (from versions: none)")
 
 
 # ----------------------------------------------------------------------------- the scripts' messages
