@@ -94,8 +94,8 @@ if ! compgen -G "$cache/$wheel_pattern" >/dev/null; then
         ln -s "$(compgen -G "$nccl_home/lib*/libnccl.so*" | head -n 1)" "$work/nccl-lib/libnccl.so"
         export HOROVOD_NCCL_LIB="$work/nccl-lib" HOROVOD_NCCL_LINK=SHARED
     fi
-    build() {  # one attempt, its log in its own cache folder; on failure its cause, one line from its log
-        log="$cache/build.log"
+    build() {  # one attempt, its own log (HOROVOD_WHEEL_CACHE makes one folder of both); on failure its cause
+        log="$cache/build${gpu_operations:+-${gpu_operations,,}}.log"
         "$python" -m pip wheel --no-deps --no-build-isolation --wheel-dir "$work/dist" "$src" > "$log" 2>&1 && return
         "$python" "$toolchain" build-error "$log" >&2
         return 1
