@@ -21,14 +21,17 @@ torch_version=$("$python" -c 'import torch; print(torch.__version__.replace("+",
     || fail "$python cannot import torch: install requirements.txt first"
 python_tag=$("$python" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
 
+# A CUDA build of torch makes Horovod's torch part compile against the CUDA toolkit whatever the
+# operations asked for (horovod/torch/CMakeLists.txt calls add_cuda()): the toolkit is found as torch
+# finds it, wrappers of nvcc followed (scripts/toolchain.py), and handed to CMake (CUDAToolkit_ROOT) and
+# to Horovod's own build (HOROVOD_CUDA_HOME: its nvcc compiles the NCCL build's kernels).
 # GPU tensors need NCCL operations compiled in; without them Horovod copies every GPU gradient to
 # the CPU and reduces it there (what made the reference tutorial's Horovod run slow, see README).
-# NCCL's header and library come from HOROVOD_NCCL_HOME, the system (beside the CUDA toolkit or in
-# /usr), or the nvidia-nccl wheel that CUDA builds of torch install; without them the build falls back
-# to CPU operations rather than failing.
+# NCCL's header and library come from HOROVOD_NCCL_HOME, the toolkit's folder, /usr, or the
+# nvidia-nccl wheel that CUDA builds of torch install; without them the build uses CPU operations.
 find_nccl() {  # prints the folder holding include/nccl.h, or nothing
     local home
-    for home in "${HOROVOD_NCCL_HOME:-}" "${CUDA_HOME:-}" "$(dirname "$(dirname "$(command -v nvcc)")")" /usr \
+    for home in "${HOROVOD_NCCL_HOME:-}" "$cuda_home" /usr \
                 "$("$python" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null)"; do
         if [ -n "$home" ] && [ -f "$home/include/nccl.h" ] && compgen -G "$home/lib*/libnccl.so*" >/dev/null; then
             echo "$home"
@@ -36,18 +39,22 @@ find_nccl() {  # prints the folder holding include/nccl.h, or nothing
         fi
     done
 }
+toolchain="$(dirname "$0")/toolchain.py"
 gpu_operations=
 nccl_home=
+cuda_home=
 if "$python" -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then
-    if ! command -v nvcc >/dev/null; then
-        echo "warning: torch is a CUDA build but nvcc is not on PATH: building Horovod without NCCL," \
-             "so GPU gradients will be reduced on the CPU (slow). Install the CUDA toolkit and rerun." >&2
-    elif ! nccl_home=$(find_nccl) || [ -z "$nccl_home" ]; then
-        echo "warning: no NCCL found (include/nccl.h and libnccl under HOROVOD_NCCL_HOME, CUDA_HOME, /usr or" \
+    cuda_home=$("$python" "$toolchain" cuda-home 2>/dev/null) \
+        || fail "torch $torch_version is a CUDA build, whose Horovod build needs the CUDA toolkit ($cuda_home):" \
+                "install it and set CUDA_HOME to its folder, or take torch's CPU build (README, Prerequisites)"
+    export CUDA_HOME=$cuda_home CUDAToolkit_ROOT=$cuda_home HOROVOD_CUDA_HOME=$cuda_home
+    nccl_home=$(find_nccl)
+    if [ -n "$nccl_home" ]; then
+        gpu_operations=${HOROVOD_GPU_OPERATIONS:-NCCL}
+    else
+        echo "warning: no NCCL found (include/nccl.h and libnccl under HOROVOD_NCCL_HOME, $cuda_home, /usr or" \
              "the nvidia-nccl wheel): building Horovod with CPU operations only, so GPU gradients will be" \
              "reduced on the CPU (slow). Install NCCL's development files or set HOROVOD_NCCL_HOME, and rerun." >&2
-    else
-        gpu_operations=${HOROVOD_GPU_OPERATIONS:-NCCL}
     fi
 fi
 
@@ -67,7 +74,7 @@ if ! compgen -G "$cache/$wheel_pattern" >/dev/null; then
 
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    echo "Building Horovod $version against torch $torch_version (${gpu_operations:-CPU only}; a few minutes)..."
+    echo "Building Horovod $version against torch $torch_version (${gpu_operations:-CPU} operations${cuda_home:+, CUDA toolkit $cuda_home}; a few minutes)..."
     "$python" -m pip download --quiet --no-deps --no-binary :all: --dest "$work" "horovod==$version" \
         || fail "could not download the Horovod $version source distribution from PyPI"
     tar -xzf "$work/horovod-$version.tar.gz" -C "$work"
@@ -87,19 +94,22 @@ if ! compgen -G "$cache/$wheel_pattern" >/dev/null; then
         ln -s "$(compgen -G "$nccl_home/lib*/libnccl.so*" | head -n 1)" "$work/nccl-lib/libnccl.so"
         export HOROVOD_NCCL_LIB="$work/nccl-lib" HOROVOD_NCCL_LINK=SHARED
     fi
-    log="$cache/build.log"
+    build() {  # one attempt, its own log (HOROVOD_WHEEL_CACHE makes one folder of both); on failure its cause
+        log="$cache/build${gpu_operations:+-${gpu_operations,,}}.log"
+        "$python" -m pip wheel --no-deps --no-build-isolation --wheel-dir "$work/dist" "$src" > "$log" 2>&1 && return
+        "$python" "$toolchain" build-error "$log" >&2
+        return 1
+    }
     start=$SECONDS
-    if ! "$python" -m pip wheel --no-deps --no-build-isolation --wheel-dir "$work/dist" "$src" > "$log" 2>&1; then
-        tail -n 40 "$log" >&2
-        [ -n "$gpu_operations" ] || fail "the Horovod build failed (last lines above, full log: $log)"
-        echo "warning: the Horovod build with NCCL failed (last lines above, full log: $log): building it with" \
-             "CPU operations only, so GPU gradients will be reduced on the CPU (slow)" >&2
+    if ! build; then
+        [ -n "$gpu_operations" ] || fail "the Horovod build failed (cause above, from its log: $log)"
+        echo "warning: the Horovod build with NCCL failed (cause above, from its log: $log): building it" \
+             "with CPU operations only, so GPU gradients will be reduced on the CPU (slow)" >&2
         unset HOROVOD_GPU_OPERATIONS HOROVOD_NCCL_INCLUDE HOROVOD_NCCL_LIB HOROVOD_NCCL_LINK
         gpu_operations=
         cache=$(cache_for)  # the CPU build's own folder: the NCCL one never holds a CPU wheel
         mkdir -p "$cache"
-        "$python" -m pip wheel --no-deps --no-build-isolation --wheel-dir "$work/dist" "$src" > "$log" 2>&1 \
-            || { tail -n 40 "$log" >&2; fail "the Horovod build failed (last lines above, full log: $log)"; }
+        build || fail "the Horovod build failed (cause above, from its log: $log)"
     fi
     # Copy under a temporary name, then rename: an interrupted copy never looks like a cached wheel.
     built=$(echo "$work"/dist/horovod-*.whl)
