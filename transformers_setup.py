@@ -27,8 +27,9 @@ SCRIPT = "multi-gpu-transformers-cls.py"
 
 def refuse_what_the_trainer_cannot_do(args):
     if args.resume or args.save_steps or args.save_on_signal:
-        raise cli.UserError(f"--resume, --save-steps and --save-on-signal are not available in {SCRIPT}: the Trainer's own "
-                            "checkpoints lack the suite's meaning checks and sampler position (see its docstring)")
+        raise cli.UserError(f"--resume, --save-steps and --save-on-signal are not available in {SCRIPT}: "
+                            "the Trainer's own checkpoints lack the suite's meaning checks and sampler position "
+                            "(see its docstring)")
     if args.profile:
         raise cli.UserError(f"--profile is not available in {SCRIPT}: its phases wrap common.Trainer's loop, "
                             "which transformers.Trainer replaces here")

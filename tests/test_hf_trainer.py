@@ -100,8 +100,8 @@ def test_what_the_trainer_cannot_do_is_refused_in_one_line(monkeypatch, capsys, 
         for options, message, gpu_machine in (
                 (["--fsdp"], "error: --fsdp needs GPUs: with CPU processes Accelerate drops the Trainer's FSDP plugin",
                  False),
-                (["--resume"], "error: --resume and --save-steps are not available in multi-gpu-transformers-cls.py",
-                 False),
+                (["--save-on-signal"], "error: --resume, --save-steps and --save-on-signal are not available in "
+                 "multi-gpu-transformers-cls.py", False),
                 (["--deepspeed", "configs/deepspeed/zero2.json"],
                  "error: --deepspeed with --device cpu on a GPU machine: Accelerate would still put each process",
                  True)):
