@@ -79,8 +79,6 @@ class DeepSpeed(common.TorchDistributed):
             portable.load_state_dict(self.full_fp32_weights(model, shards / "final"))
             checkpoints.save_model(portable, tokenizer, path)
             shutil.rmtree(shards, ignore_errors=True)
-        if self.zero_stage > 0:
-            dist.barrier()  # the ranks leave together: one that left during the merge has aborted in gloo
 
     def full_fp32_weights(self, model, shard_dir):
         """Every weight, whole and in fp32."""
