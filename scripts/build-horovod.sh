@@ -39,7 +39,9 @@ find_nccl() {  # prints the folder holding include/nccl.h, or nothing
         fi
     done
 }
-toolchain="$(dirname "$0")/toolchain.py"
+here=${BASH_SOURCE[0]%/*}  # not dirname: the tests run this with a PATH of a few tools
+[ "$here" != "${BASH_SOURCE[0]}" ] || here=.
+toolchain="$here/toolchain.py"
 gpu_operations=
 nccl_home=
 cuda_home=
