@@ -54,10 +54,8 @@ from typing import Callable
 from tqdm import tqdm
 
 import benchmark_report
-import cli
-import files
-import flops
-from spawn_setup import free_port
+from support import cli, files, flops
+from support.spawn_setup import free_port
 
 ROOT = cli.ROOT
 # The launchers come from the same environment as this Python, so every strategy runs the same libraries.
@@ -528,7 +526,7 @@ def time_one_step(args):
     machine wait for each other."""
     import torch
     import common
-    import models
+    from support import models
     batch_size = args.batch_size or SCRIPT_BATCH_SIZE
     texts = [text for text, _ in common.load_records(ROOT / "data" / "train.json")[:batch_size]]
     tokenizer, model = models.build_base_shape_model(texts, 0, {"num_labels": len(common.LABELS)})
@@ -552,7 +550,7 @@ def estimate_seconds(cells, step_seconds, args):
     and its evaluation. N processes, each with its own batch, share the machine's cores: a step takes
     N / cores times the one-thread step. The dev batches are split over the processes, each a forward
     pass, about a third of a step."""
-    import machine
+    from support import machine
     cores = machine.usable_cores()
     batch_size = args.batch_size or SCRIPT_BATCH_SIZE
     dev_batches = round((args.max_samples or SCRIPT_MAX_SAMPLES) * SCRIPT_DEV_RATIO) / batch_size
@@ -564,7 +562,7 @@ def estimate_seconds(cells, step_seconds, args):
 def announce_real_size(args, cells):
     """Check the plan's memory, time a step, and say what the plan will take before it starts."""
     import common
-    import models
+    from support import models
     parameters = bert_parameters(models.base_shape_config(), len(common.LABELS))
     needed = check_memory(cells, parameters, available_memory_bytes())
     print(f"real size: {parameters:,} parameters; the largest launch needs about {needed / 2**30:.1f} GiB",
@@ -604,7 +602,7 @@ def expected_duration(args, cells, model, gpus):
         # a launch costs the epoch's batches at one step each, over the cores.
         batches = (args.max_samples or SCRIPT_MAX_SAMPLES) * (1 - SCRIPT_DEV_RATIO) * (args.epochs or 1) / (
             args.batch_size or SCRIPT_BATCH_SIZE)
-        import machine
+        from support import machine
         seconds = (LAUNCH_SECONDS + step_seconds * batches / machine.usable_cores()) * launches
     hours = seconds / 3600
     return (f"plan: {launches} launch(es) of a BERT-base-sized model on the CPU, about {hours:.1f} hours (a step "
@@ -846,8 +844,8 @@ def add_figures(report):
 
 def measure_matmul_peaks(rows):
     """This machine's achievable matrix-product rate for each device and precision the rows computed in
-    (benchmarks/matmul_peak.py, on all the cores or the first GPU), and each row's MFU against it."""
-    from benchmarks import matmul_peak  # imports torch: for the run, not for the planning
+    (microbenchmarks/matmul_peak.py, on all the cores or the first GPU), and each row's MFU against it."""
+    from microbenchmarks import matmul_peak  # imports torch: for the run, not for the planning
     peaks = {}
     for row in rows:
         if row["status"] != "ok" or row.get("compute_precision") is None:
@@ -880,7 +878,7 @@ def cpu_model():
 
 def describe_machine():
     import torch
-    import machine
+    from support import machine
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     counted = ", ".join(f"{gpus.count(name)} x {name}" for name in dict.fromkeys(gpus)) or "no GPU"
     cores = machine.usable_cores()
@@ -925,7 +923,7 @@ def resolve_model(choice, gpus):
     """The model every strategy trains, resolved once, here, and said. Without --model: auto with
     GPUs; without them the tiny model, since eleven rows of the real BERT on a CPU take hours."""
     import common
-    import models
+    from support import models
     model = models.resolve_model(choice or ("auto" if gpus else "tiny"))
     if model == "tiny":
         note = ("the offline tiny BERT (2 layers, hidden 128, random weights): "
@@ -1002,7 +1000,7 @@ def main():
 
     run_all(args, cells, model, gpus, after_each)
     report["rows"] = [summarize(cell) for cell in cells]
-    print("measuring the matrix-product peak of each precision the rows computed in (benchmarks/matmul_peak.py)",
+    print("measuring the matrix-product peak of each precision the rows computed in (microbenchmarks/matmul_peak.py)",
           flush=True)
     report["matmul_peaks"] = measure_matmul_peaks(report["rows"])
     report["all_succeeded"] = all(row["status"] == "ok" for row in report["rows"])

@@ -189,7 +189,7 @@ THROUGHPUT_LEGEND = ("The first step is timed apart: it pays the one-time costs 
                      "tokens/s: real tokens (no padding) over the whole loop. Model FLOPs: the matrix products of "
                      "forward and backward at the shapes computed, padding included (flops.py). MFU: model FLOP/s per "
                      "device over the device's peak for the precision the row computes in: the GPU's published dense "
-                     "peak, and the matrix-product rate benchmarks/matmul_peak.py measures on this machine (on a CPU, "
+                     "peak, and the matrix-product rate microbenchmarks/matmul_peak.py measures on this machine (on a CPU, "
                      "all its cores are the one device the processes share).")
 SCALING_LEGEND = ("speed-up vs 1 process: samples/s over the same row's 1-process run; scaling efficiency: that "
                   "speed-up / processes (100% is ideal).")

@@ -23,12 +23,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-import checkpoints
-import measure
-import models
-import results
-from cli import UserError
-from machine import (computes_natively, reset_peak_memory, set_threads, synchronize,
+from support import checkpoints, measure, models, results
+from support.cli import UserError
+from support.machine import (computes_natively, reset_peak_memory, set_threads, synchronize,
                      use_attention_without_plans, use_tf32)
 
 LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]

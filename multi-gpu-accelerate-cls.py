@@ -22,11 +22,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 
-import checkpoints
-import cli
 import common
-import machine
-import models
+from support import checkpoints, cli, machine, models
 
 
 class Accelerate(common.Strategy):

@@ -15,10 +15,8 @@ import sys
 import torch
 from torch.nn import DataParallel
 
-import cli
 import common
-import machine
-import models
+from support import cli, machine, models
 
 
 class DataParallelStrategy(common.Strategy):

@@ -26,11 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import checkpoints
-import cli
 import common
-import deepspeed_setup
-import machine
+from support import checkpoints, cli, deepspeed_setup, machine
 
 
 class DeepSpeed(common.TorchDistributed):

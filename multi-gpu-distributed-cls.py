@@ -20,10 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import cli
 import common
-import machine
-import models
+from support import cli, machine, models
 
 
 class DDP(common.TorchDistributed):

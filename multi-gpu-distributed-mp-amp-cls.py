@@ -21,11 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-import cli
 import common
-import machine
-import models
-import spawn_setup
+from support import cli, machine, models, spawn_setup
 # The 16-bit type autocast computes in, for each --precision choice.
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 

@@ -20,11 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-import cli
 import common
-import machine
-import models
-import spawn_setup
+from support import cli, machine, models, spawn_setup
 
 
 class DDP(common.TorchDistributed):

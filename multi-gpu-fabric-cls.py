@@ -21,10 +21,8 @@ processes over gloo.
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
-import cli
 import common
-import fabric_setup
-import models
+from support import cli, fabric_setup, models
 
 
 class FabricStrategy(fabric_setup.FabricStrategyBase):

@@ -28,11 +28,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-import checkpoints
-import cli
 import common
-import machine
-import models
+from support import checkpoints, cli, machine, models
 
 # The 16-bit type the sharded weights are gathered in for computing, for each --precision choice.
 PARAM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}

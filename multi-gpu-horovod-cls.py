@@ -18,10 +18,8 @@ import horovod
 import horovod.torch as hvd
 import torch
 
-import cli
 import common
-import machine
-import models
+from support import cli, machine, models
 
 
 class Horovod(common.Strategy):

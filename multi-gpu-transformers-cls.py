@@ -21,7 +21,7 @@ numbered comments say what it does for you. The suite's options map to TrainingA
 --batch-size to per_device_train_batch_size, --grad-accum to gradient_accumulation_steps,
 --precision to bf16 / fp16, --epochs, --seed, --log-steps, --dist-timeout to theirs.
 
-Where the Trainer's defaults differ from the suite's they are set back in transformers_setup.py: its
+Where the Trainer's defaults differ from the suite's they are set back in support/transformers_setup.py: its
 linear learning-rate decay, gradient clipping at 1.0, fused AdamW, random sampler and loaders, loss
 and loss averaging. With that it is the DDP script run by a library: 3 processes x 11 end with the
 weights of single-gpu-cls.py at 33 (fp32, no shuffling or dropout: the suite tests it), and
@@ -44,12 +44,8 @@ import os
 import torch.distributed as dist
 from transformers import TrainingArguments
 
-import checkpoints
-import cli
 import common
-import machine
-import results
-import transformers_setup
+from support import checkpoints, cli, machine, results, transformers_setup
 
 
 def main():

@@ -12,8 +12,8 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
-import cli
 import common
+from support import cli
 
 
 def load_checkpoint(path):

@@ -6,10 +6,8 @@
 Every other script in this suite is this one plus its strategy's steps: compare them with
 `diff single-gpu-cls.py multi-gpu-distributed-cls.py`. Shared code: common.py, and the modules of docs/architecture.md.
 """
-import cli
 import common
-import machine
-import models
+from support import cli, machine, models
 
 
 def main():

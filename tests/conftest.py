@@ -59,7 +59,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # here. It delays each step's all-reduces by up to that, and changes no result.
 os.environ.setdefault("HOROVOD_CYCLE_TIME", "20")
 
-from spawn_setup import free_port  # noqa: E402  (a launch never meets the rendezvous of an earlier one)
+from support.spawn_setup import free_port  # noqa: E402  (a launch never meets the rendezvous of an earlier one)
 
 
 def require(module):
@@ -157,7 +157,7 @@ def untrained_dev_loss():
     import torch
     import torch.nn.functional as F
 
-    import models
+    from support import models
     train, dev = small_split()
     tokenizer, model = models.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
     encoded = tokenizer([text for text, _ in dev], padding=True, truncation=True, max_length=128, return_tensors="pt")

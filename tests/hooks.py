@@ -5,7 +5,7 @@ left off, and DDP's gradient all-reduces counted, to check that gradient accumul
 per step."""
 import os
 
-import measure
+from support import measure
 
 FAIL_AT_ENV = "SUITE_FAIL_AT"  # "RANK:STEP": that rank fails right after that optimizer step
 COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"  # count DDP's gradient all-reduces (result.json: gradient_allreduces)

@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-import checkpoints
 import common
+from support import checkpoints
 from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_same_weights, load_weights,
                       predict_dev_accuracy, read_result, require, run, run_in_process)
 

@@ -1,4 +1,4 @@
-"""benchmarks/allreduce.py: the sweep and the model-gradient row, with the NCCL tests' bandwidths."""
+"""microbenchmarks/allreduce.py: the sweep and the model-gradient row, with the NCCL tests' bandwidths."""
 import json
 
 import pytest
@@ -7,9 +7,9 @@ from conftest import BIN, SAMPLES, free_port, run, small_split
 
 
 def test_allreduce_benchmark(tmp_path):
-    import models
+    from support import models
     output = tmp_path / "allreduce.json"
-    run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "benchmarks/allreduce.py",
+    run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "microbenchmarks/allreduce.py",
          "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
          "--sizes", "4K,1M", "--iters", "3", "--warmup", "1", "--json", str(output)], timeout=120)
     result = json.loads(output.read_text(encoding="utf-8"))

@@ -165,8 +165,8 @@ def test_nccl_asked_for_between_cpu_processes_gets_one_line():
 def test_more_processes_than_gpus_share_them_only_over_gloo(monkeypatch):
     """Checked in this process, with torch told it sees 2 GPUs: local rank 2 has none of its own."""
     import torch
-    import cli
-    import machine
+    from support import cli
+    from support import machine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert machine.resolve_device("auto", 1) == torch.device("cuda", 1)
@@ -185,7 +185,7 @@ def test_a_second_run_into_the_same_output_dir_is_refused_naming_the_first(tmp_p
     """The first run is another open lock of the folder, as another process's would be; the OS drops
     it with its holder, so a lock file left by a run that crashed stops nobody."""
     import fcntl
-    import cli
+    from support import cli
     with open(tmp_path / cli.LOCK_FILE, "w", encoding="utf-8") as first:
         fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
         first.write("the run of pid 4242 on somehost")

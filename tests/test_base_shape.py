@@ -38,7 +38,7 @@ def test_the_config_is_bert_base_as_published():
 def test_base_shape_has_the_real_models_parameters_and_embedding():
     import torch
 
-    import models
+    from support import models
     texts = [text for text, _ in small_split()[0]]
     tokenizer, model = models.build_base_shape_model(texts, 123, {"num_labels": LABELS})
     assert models.parameter_count(model) == sum(p.numel() for p in model.parameters())
@@ -115,7 +115,7 @@ def test_real_size_plan_runs_every_default_row_and_the_sharded_ones_at_4():
 
 def test_real_size_refuses_a_plan_that_does_not_fit_in_memory():
     import benchmark
-    import cli
+    from support import cli
     cells = benchmark.plan(benchmark.parse_args(["--real-size"], gpus=0), gpus=0)
     parameters = bert_classifier_parameters(CONFIG, LABELS)
     # 4 processes, each with 16 bytes of model state a parameter and more: over 4 x 16 x 102 M bytes.

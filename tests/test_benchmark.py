@@ -13,9 +13,7 @@ import pytest
 
 import benchmark
 import benchmark_report
-import cli
-import machine
-import models
+from support import cli, machine, models
 from conftest import (CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, processes_mentioning, read_result, run,
                       run_in_process)
 

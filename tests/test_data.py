@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 import common
-import models
+from support import models
 from conftest import ROOT
 
 RECORDS = common.load_records(ROOT / "data" / "train.json")

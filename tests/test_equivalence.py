@@ -6,7 +6,7 @@ test_hf_trainer.py's."""
 
 import pytest
 
-import machine
+from support import machine
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, require,
                       run)
 

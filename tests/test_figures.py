@@ -117,7 +117,7 @@ def test_the_tiny_models_accuracy_range_is_the_committed_runs(rows):
 def test_the_sample_output_is_the_committed_single_row(rows):
     """docs/running.md shows the end of the committed `single` row's output: each line as results.py
     and the Trainer print it from that launch's result.json (the row's median run)."""
-    import results
+    from support import results
     single = rows["single"]
     run = next(run for run in single["runs"] if run["train_seconds"] == single["train_seconds"])
     held, formula = run["model_state_bytes"], run["model_state_formula_bytes"]

@@ -1,5 +1,5 @@
 """flops.py: its count of a training step against torch's own FLOP counter, on the tiny model and on
-BERT-base's shape; the published peaks; and benchmarks/matmul_peak.py, which measures a peak."""
+BERT-base's shape; the published peaks; and microbenchmarks/matmul_peak.py, which measures a peak."""
 import importlib.util
 import json
 
@@ -12,8 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import ROOT, run_in_process, small_split
 
-import flops
-import models
+from support import flops, models
 
 LABELS = 6
 BASE_SHAPE_PARAMETERS = 102_272_262  # hfl/chinese-bert-wwm-ext with a 6-label head (tests/test_base_shape.py)
@@ -118,7 +117,7 @@ def test_published_peaks(name, precision, peak):
                                   "NVIDIA L40", "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 3090 Ti"])
 def test_a_gpu_without_its_own_figures_gets_none_and_where_to_measure_one(name):
     assert flops.published_peak(name, "bf16") == (
-        None, f"no published peak for {name} in flops.PEAK_TFLOPS: benchmarks/matmul_peak.py measures one")
+        None, f"no published peak for {name} in flops.PEAK_TFLOPS: microbenchmarks/matmul_peak.py measures one")
 
 
 def test_a_precision_the_gpu_lacks_gets_none_and_why():
@@ -133,7 +132,7 @@ def test_every_figure_has_a_source_and_mfu_is_the_share_of_the_peak():
 
 
 def load_matmul_peak():
-    spec = importlib.util.spec_from_file_location("matmul_peak", ROOT / "benchmarks" / "matmul_peak.py")
+    spec = importlib.util.spec_from_file_location("matmul_peak", ROOT / "microbenchmarks" / "matmul_peak.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -147,13 +146,13 @@ def test_matmul_peak_measures_the_cpu_and_leaves_the_threads_as_they_were():
 
 
 def test_matmul_peak_command_line_ends_with_json_and_refuses_tf32_on_cpu():
-    done = run_in_process(["benchmarks/matmul_peak.py", "--device", "cpu", "--precision", "fp32", "--sizes",
+    done = run_in_process(["microbenchmarks/matmul_peak.py", "--device", "cpu", "--precision", "fp32", "--sizes",
                            "64,128", "--repeats", "3", "--threads", "1", "--json"])
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])  # as benchmark.py reads it
     assert result["device"] == "cpu" and result["precision"] == "fp32" and result["threads"] == 1
     assert result["size"] in (64, 128) and result["tflops"] > 0
 
-    refused = run_in_process(["benchmarks/matmul_peak.py", "--device", "cpu", "--precision", "tf32"])
+    refused = run_in_process(["microbenchmarks/matmul_peak.py", "--device", "cpu", "--precision", "tf32"])
     assert refused.returncode == 2
     assert refused.stderr.strip().startswith("error: --precision tf32 ") and len(refused.stderr.splitlines()) == 1

@@ -92,7 +92,7 @@ def test_compiled_tf32_on_one_gpu_tracks_eager_fp32_and_reports_its_mfu(tmp_path
     """--compile --tf32: one graph for every batch length, the steps' pace against the GPU's published
     TF32 peak where flops.py knows the GPU, and the eager IEEE fp32 run's metrics within TF32's
     precision (10 mantissa bits in the products)."""
-    import flops
+    from support import flops
     run([PYTHON, "single-gpu-cls.py", *GPU, *EXACT, "--batch-size", "32", "--compile", "--tf32",
          "--output-dir", str(tmp_path)])
     result = assert_gpu_run(tmp_path, world_size=1)
@@ -107,7 +107,7 @@ def test_compiled_tf32_on_one_gpu_tracks_eager_fp32_and_reports_its_mfu(tmp_path
 def test_padded_16_bit_attention_avoids_cudnn_plans():
     """A BERT-shaped masked attention in bf16 and fp16, after the scripts' set-up: a fused kernel
     that needs no per-shape plan (torch puts cuDNN first on Hopper and later), never cuDNN's."""
-    import machine
+    from support import machine
     from torch.nn.attention import SDPBackend
     machine.use_attention_without_plans(torch.device("cuda", 0))
     for dtype in (torch.bfloat16, torch.float16):
@@ -140,7 +140,7 @@ def test_two_processes_sharing_one_gpu_over_gloo_equal_one_gpu(tmp_path, single_
 
 def scaler_state(output_dir):
     """The step and the gradient scaler's state in the training checkpoint of `output_dir`."""
-    import checkpoints
+    from support import checkpoints
     state = torch.load(output_dir / "checkpoint" / checkpoints.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
     return state["step"], state["strategy_state"]["scaler"]
 

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import deepspeed_setup
-import measure
+from support import deepspeed_setup, measure
 from conftest import ROOT, run
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
@@ -99,7 +98,7 @@ def test_deepspeed_reduce_bucket_is_ddps_size_not_deepspeeds_two_gigabytes(confi
 
 
 def test_fabric_deepspeed_config_uses_ddps_bucket_size(monkeypatch):
-    import fabric_setup
+    from support import fabric_setup
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the function names cuda; monkeypatch restores it
     monkeypatch.setattr(fabric_setup, "DeepSpeedStrategy", lambda config, timeout: config)
     config = fabric_setup.fabric_strategy(Namespace(fabric_strategy="deepspeed", dist_timeout=60, batch_size=16,
@@ -110,7 +109,7 @@ def test_fabric_deepspeed_config_uses_ddps_bucket_size(monkeypatch):
 def test_dataparallel_checkpoint_saves_and_restores_every_gpus_random_state(monkeypatch, tmp_path):
     """DataParallel's copies on GPUs 1.. draw dropout from those GPUs' generators: a checkpoint must
     hold each one (not only the current GPU's), and --resume must restore each to its own GPU."""
-    import checkpoints
+    from support import checkpoints
     import common
     spec = importlib.util.spec_from_file_location("dataparallel_script", ROOT / "multi-gpu-dataparallel-cls.py")
     dataparallel_script = importlib.util.module_from_spec(spec)
@@ -144,7 +143,7 @@ def test_fsdp2_offload_joins_a_group_that_carries_cpu_tensors_too():
 def test_attention_leaves_cudnn_on_a_gpu_only(monkeypatch):
     """cuDNN attention builds a plan per new batch shape: every script turns it off on a GPU (before
     the model is built), and leaves the CPU's attention alone."""
-    import machine
+    from support import machine
     calls = []
     monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append)
     machine.use_attention_without_plans(torch.device("cpu"))

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import common
-import machine
+from support import machine
 import hooks
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
                       free_port, predict_dev_accuracy, read_result, require, run)

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-import machine
+from support import machine
 from conftest import (DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, read_result, run, run_in_process,
                       untrained_dev_loss)
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import cli
+from support import cli
 from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, free_port, require, run_in_process
 
 
@@ -90,7 +90,7 @@ def test_extra_callbacks_come_only_from_the_file_suite_callbacks_names(monkeypat
     """A plain run has none; the tests' hooks are such a file, and the injected failure names its rank
     and step; a file that is not there is one line."""
     import hooks
-    import measure
+    from support import measure
     monkeypatch.delenv(measure.EXTRA_CALLBACKS_ENV)
     assert measure.extra_callbacks(None) == []
     monkeypatch.setenv(measure.EXTRA_CALLBACKS_ENV, hooks.__file__)
@@ -144,8 +144,8 @@ def test_a_full_disk_during_a_sharded_checkpoint_is_named_and_keeps_the_previous
     BaseException, and the full disk is found in another thread's write."""
     import torch
     import torch.distributed.checkpoint as dcp
-    import checkpoints
-    import cli
+    from support import checkpoints
+    from support import cli
     with mounted_tmpfs(tmp_path):
         state = {"step": 1, "meaning": {}}
         with checkpoints.staged_checkpoint(tmp_path / "checkpoint", state, True, lambda: None) as staging:
@@ -161,8 +161,8 @@ def test_a_full_disk_during_a_sharded_checkpoint_is_named_and_keeps_the_previous
 def test_a_full_disk_during_a_whole_checkpoint_is_named_and_keeps_the_previous_one(tmp_path):
     """torch.save's own error on a full disk ("unexpected pos ...") names neither."""
     import torch
-    import checkpoints
-    import cli
+    from support import checkpoints
+    from support import cli
     with mounted_tmpfs(tmp_path):
         checkpoints.save_whole(tmp_path / "checkpoint", {"step": 1, "meaning": {}, "weights": torch.zeros(1000)})
         before = digest(tmp_path)
@@ -175,8 +175,8 @@ def test_a_full_disk_during_a_deepspeed_step_removes_its_folder_and_latest_names
     """DeepSpeed writes `latest` last; its step folder is the part a failed save leaves (in one process:
     each rank's shard is a torch.save)."""
     import torch
-    import cli
-    import deepspeed_setup
+    from support import cli
+    from support import deepspeed_setup
     with mounted_tmpfs(tmp_path):
         (tmp_path / "latest").write_text("step4", encoding="utf-8")
         with pytest.raises(cli.UserError, match=f"^no space left on {tmp_path}: "):
@@ -188,7 +188,7 @@ def test_a_full_disk_during_a_deepspeed_step_removes_its_folder_and_latest_names
 def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(capsys):
     """torch.distributed.checkpoint's CheckpointException is not an Exception."""
     from torch.distributed.checkpoint.api import CheckpointException
-    import cli
+    from support import cli
 
     def main():
         raise CheckpointException("load failed", {0: (OSError(errno.EIO, "I/O error"), None)})

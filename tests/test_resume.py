@@ -7,8 +7,7 @@ import subprocess
 
 import pytest
 
-import checkpoints
-import models
+from support import checkpoints, models
 from conftest import BIN, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_result, run, run_in_process
 from test_bad_input import assert_clean_error
 

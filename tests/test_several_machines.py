@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoints
-import cli
-import machine
+from support import checkpoints, cli, machine
 from conftest import (EXACT, DEV_SAMPLES, PYTHON, ROOT, SMALL, assert_same_weights, processes_mentioning,
                       read_result, run)
 

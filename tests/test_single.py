@@ -3,10 +3,8 @@ import pytest
 import torch
 import transformers
 
-import cli
 import common
-import flops
-import models
+from support import cli, flops, models
 from conftest import (DEV_SAMPLES, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
                       read_result, run, run_in_process, small_split)
 

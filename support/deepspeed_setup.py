@@ -13,12 +13,8 @@ from pathlib import Path
 import pydantic
 import torch
 
-import checkpoints
-import cli
 import common
-import files
-import machine
-import models
+from . import checkpoints, cli, files, machine, models
 
 # DeepSpeed 0.19 still calls collectives that torch 2.13 has renamed: a warning per call site and rank.
 warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated")

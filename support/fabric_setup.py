@@ -16,10 +16,8 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-import checkpoints
-import cli
 import common
-import machine
+from . import checkpoints, cli, machine
 
 # The suite's --precision and Fabric's names for it: "32-true" is Fabric's default, the mixed ones autocast.
 FABRIC_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}

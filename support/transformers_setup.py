@@ -14,13 +14,8 @@ import torch.nn.functional as F
 from accelerate import PartialState
 from transformers import ProgressCallback, Trainer, TrainerCallback
 
-import cli
 import common
-import files
-import machine
-import measure
-import models
-import results
+from . import cli, files, machine, measure, models, results
 
 SCRIPT = "multi-gpu-transformers-cls.py"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cli import UserError, describe, first_cause
-from files import existing_parent, removed_on_failure, replace_dir, staged_dir, write_json
-from measure import Callback
+from .cli import UserError, describe, first_cause
+from .files import existing_parent, removed_on_failure, replace_dir, staged_dir, write_json
+from .measure import Callback
 
 # A training checkpoint: the state, and what its step means, readable by a person.
 CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"

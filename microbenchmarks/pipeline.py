@@ -1,7 +1,7 @@
 """How much the shared data pipeline saves: our loader against the reference tutorial's, side by side.
 
-    python benchmarks/pipeline.py                    # tiny model, 10,000 samples, 1 epoch, CPU
-    python benchmarks/pipeline.py --model model_hub/chinese-bert-wwm-ext --device cuda
+    python microbenchmarks/pipeline.py                    # tiny model, 10,000 samples, 1 epoch, CPU
+    python microbenchmarks/pipeline.py --model model_hub/chinese-bert-wwm-ext --device cuda
 
 Three pipelines train the same model (same initial weights, same sample order) for one epoch:
   reference   tokenize every batch inside collate_fn, padded to --max-seq-len (128), as the
@@ -18,10 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli  # noqa: E402
 import common  # noqa: E402
-import machine  # noqa: E402
-import models  # noqa: E402
+from support import cli, machine, models  # noqa: E402
 
 
 class TokenizeEveryBatch:

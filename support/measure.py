@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
-import flops
-import results
-from cli import UserError
-from machine import synchronize
+from . import flops, results
+from .cli import UserError
+from .machine import synchronize
 
 
 class Callback:
@@ -212,7 +211,7 @@ def published_mfu(device, precision, flop_per_second, devices):
     """MFU against the GPU's published dense peak, or why there is none."""
     if device.type != "cuda":
         return {"mfu": None, "mfu_note": f"no published peak for a {device.type}: the runner measures one "
-                                         "(benchmarks/matmul_peak.py)"}
+                                         "(microbenchmarks/matmul_peak.py)"}
     peak, source = flops.published_peak(torch.cuda.get_device_name(device), precision)
     if peak is None:
         return {"mfu": None, "mfu_note": source}

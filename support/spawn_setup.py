@@ -5,7 +5,7 @@ torch: torch is imported where it is used."""
 import socket
 import time
 
-import cli
+from . import cli
 
 # Seconds the processes get to stop on their own (after a failure or a SIGTERM) before they are killed.
 SHUTDOWN_GRACE_SECONDS = 10

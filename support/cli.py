@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 # Models with random weights learn from scratch (a higher rate); BERT-base's depth needs a lower one than tiny's.
 DEFAULT_LR = {"tiny": 1e-3, "base-shape": 1e-4, "pretrained": 3e-5}
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -142,7 +142,7 @@ def build_parser(script_file, description):
                              "equally by the processes on this machine, whatever the launcher set")
     parser.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
                         help="batch texts of similar length together: 2x faster here, same accuracy "
-                             "(benchmarks/pipeline.py)")
+                             "(microbenchmarks/pipeline.py)")
     parser.add_argument("--no-shuffle", action="store_true", help="keep the training order fixed")
     parser.add_argument("--dropout", type=float, default=None, help="override the model's dropout probabilities")
     parser.add_argument("--gradient-checkpointing", action="store_true",

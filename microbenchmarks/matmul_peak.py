@@ -2,8 +2,8 @@
 against where no published one applies (a CPU, a GPU missing from flops.PEAK_TFLOPS), and a check of
 the published one where it does.
 
-    python benchmarks/matmul_peak.py --device cpu --precision fp32                # all the usable cores
-    python benchmarks/matmul_peak.py --device cuda --precision bf16 --json
+    python microbenchmarks/matmul_peak.py --device cpu --precision fp32                # all the usable cores
+    python microbenchmarks/matmul_peak.py --device cuda --precision bf16 --json
 
 As the MAMF finder (maximum achievable matmul FLOPS) of Stas Bekman's Machine Learning Engineering
 book: for each size n, torch.matmul of two random n x n matrices in the precision, --warmup products,
@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli  # noqa: E402
-import machine  # noqa: E402
+from support import cli, machine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # CPU: on 2 cores the fp32 rate is flat from 256 on, and all four sizes take under a second (1536: some

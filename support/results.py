@@ -6,10 +6,10 @@ from pathlib import Path
 import torch
 import transformers
 
-import cli
-from files import write_json
-from machine import device_description, peak_memory_mb
-from models import parameter_count
+from . import cli
+from .files import write_json
+from .machine import device_description, peak_memory_mb
+from .models import parameter_count
 
 
 # common.count_tokens' sums, in its order: real tokens, then what the model computed (flops.py's three).

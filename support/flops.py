@@ -98,7 +98,7 @@ def published_peak(device_name, precision):
         raise ValueError(f"precision {precision!r} is none of {', '.join(PRECISIONS)}")
     model = gpu_model(device_name)
     if model is None:
-        return None, (f"no published peak for {device_name} in flops.PEAK_TFLOPS: benchmarks/matmul_peak.py "
+        return None, (f"no published peak for {device_name} in flops.PEAK_TFLOPS: microbenchmarks/matmul_peak.py "
                       "measures one")
     figures = PEAK_TFLOPS[model]
     if precision == "tf32" and "tf32" not in figures:

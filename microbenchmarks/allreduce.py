@@ -1,8 +1,8 @@
 """How fast this machine all-reduces: the collective DDP runs on the gradients, over a sweep of sizes
 and at the size of the model's gradients.
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/allreduce.py          # --model auto, 4 KiB .. 64 MiB
-    torchrun --standalone --nproc_per_node 2 benchmarks/allreduce.py --model tiny --sizes 4K,1M --json out.json
+    torchrun --standalone --nproc_per_node 2 microbenchmarks/allreduce.py          # --model auto, 4 KiB .. 64 MiB
+    torchrun --standalone --nproc_per_node 2 microbenchmarks/allreduce.py --model tiny --sizes 4K,1M --json out.json
 
 Each process all-reduces (SUM) an fp32 tensor of each size: --warmup calls, then --iters timed calls
 after a barrier. A size's time is the slowest process's mean per call. Gloo between CPU processes,
@@ -27,13 +27,10 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli  # noqa: E402
 import common  # noqa: E402
-import files  # noqa: E402
-import machine  # noqa: E402
-import models  # noqa: E402
+from support import cli, files, machine, models  # noqa: E402
 
-LAUNCH = "torchrun --standalone --nproc_per_node 2 benchmarks/allreduce.py"
+LAUNCH = "torchrun --standalone --nproc_per_node 2 microbenchmarks/allreduce.py"
 UNITS = {"": 1, "K": 2**10, "M": 2**20}
 FP32_BYTES = 4
 
