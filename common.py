@@ -4,15 +4,13 @@ A strategy script builds a `Strategy` (its device, its rank, and how it runs bac
 gradients, steps the optimizer, averages a loss and gathers predictions across processes), wraps the
 model its own way, and hands both to `Trainer`. Nothing in this file knows which strategy is running.
 Read it top to bottom: the data every process loads alike, the loop, then the Strategy it calls.
-The rest lives in modules named for their duty (docs/architecture.md): cli (options, launch),
+The rest lives in support/, a module per duty (docs/architecture.md): cli (options, launch),
 machine (device, cores), models, checkpoints, results, measure (the callbacks beside the loop).
 """
 import contextlib
-import itertools
 import json
 import math
 import random
-import time
 import unicodedata
 from pathlib import Path
 
@@ -25,8 +23,7 @@ from tqdm import tqdm
 
 from support import checkpoints, measure, models, results
 from support.cli import UserError
-from support.machine import (computes_natively, reset_peak_memory, set_threads, synchronize,
-                     use_attention_without_plans, use_tf32)
+from support.machine import computes_natively, set_threads, use_attention_without_plans, use_tf32
 
 LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
 
@@ -156,14 +153,26 @@ class GlobalBatchSampler(Sampler):
                  accumulation_steps=1):
         self.lengths, self.batch_size, self.num_replicas, self.rank = lengths, batch_size, num_replicas, rank
         self.shuffle, self.group_by_length, self.seed, self.epoch = shuffle, group_by_length, seed, 0
+        self.steps_skipped = 0
         self.micro_batch_size = batch_size * num_replicas  # over all processes
         self.global_batch_size = self.micro_batch_size * accumulation_steps
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch, steps_taken=0):
+        """Epoch `epoch` (from 1) comes next. On resume, `steps_taken` of the run are in the checkpoint:
+        the batches of this epoch's among them are skipped, not loaded."""
         self.epoch = epoch
+        self.steps_skipped = max(0, steps_taken - (epoch - 1) * len(self.global_batch_sizes()))
 
     def __len__(self):
-        return sum(self.micro_batches_per_step())
+        return sum(self.micro_batches_per_step()[self.steps_skipped:])
+
+    def steps(self, first_step, last_step):
+        """(epoch, step, micro-batches in it) for the run's optimizer steps after first_step up to
+        last_step, counted from 1 across epochs."""
+        per_step = self.micro_batches_per_step()
+        for step in range(first_step, last_step):
+            epoch, step_in_epoch = divmod(step, len(per_step))
+            yield epoch + 1, step + 1, per_step[step_in_epoch]
 
     def global_batch_sizes(self):
         """Samples in each global batch of an epoch, in order (the same for every epoch)."""
@@ -192,7 +201,7 @@ class GlobalBatchSampler(Sampler):
         return batches
 
     def __iter__(self):
-        for batch in self.global_batches():
+        for batch in self.global_batches()[self.steps_skipped:]:
             weight = 1 / len(batch)
             for start in range(0, len(batch), self.micro_batch_size):
                 micro_batch = batch[start:start + self.micro_batch_size]
@@ -228,27 +237,64 @@ def make_loader(dataset, args, tokenizer, batch_sampler):
 
 # ----------------------------------------------------------------------------- training
 
-class Trainer:
-    """The train / evaluate / save loop every strategy runs."""
+class Run:
+    """One training run as every script reports it: its options, strategy, model and data, the steps
+    it trains, the lines it prints and the result.json it writes. The Trainer is a Run that trains;
+    the Hugging Face script's Run reports what transformers.Trainer trained."""
 
-    def __init__(self, args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr):
-        self.args, self.strategy, self.model, self.optimizer = args, strategy, model, optimizer
+    def __init__(self, args, strategy, model, tokenizer, train_loader, dev_loader, model_name, lr):
+        self.args, self.strategy, self.model = args, strategy, model
         self.tokenizer, self.train_loader, self.dev_loader = tokenizer, train_loader, dev_loader
         self.model_name, self.lr = model_name, lr
         self.output_dir = Path(args.output_dir)
         self.global_batch_size = train_loader.batch_sampler.global_batch_size  # samples per optimizer step
         self.threads = set_threads(args.threads, strategy.local_world_size)
         self.native_precision = computes_natively(strategy.precision, strategy.device)
+        self.callbacks = []
+
+    def epoch_steps(self):
+        """Optimizer steps in --epochs epochs."""
+        return len(self.train_loader.batch_sampler.micro_batches_per_step()) * self.args.epochs
+
+    def total_steps(self):
+        """The steps this run trains: --epochs' worth, or --max-steps when it stops sooner."""
+        return min(self.epoch_steps(), self.args.max_steps or self.epoch_steps())
+
+    def log(self, message):
+        if self.strategy.is_main:
+            tqdm.write(message)
+
+    def write_result(self, progress, metrics, first_step):
+        """result.json, built here for every script: the run's fields, then each callback's own; rank
+        0 prints the report and writes the file."""
+        result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
+        self.notify("on_result", result)
+        results.publish(self, result, metrics)
+        return result
+
+    def notify(self, point, *args):
+        """Call each callback's method for this point of the loop (measure.Callback names them)."""
+        for callback in self.callbacks:
+            getattr(callback, point)(self, *args)
+
+
+class Trainer(Run):
+    """The train / evaluate / save loop every strategy runs."""
+
+    def __init__(self, args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr):
+        super().__init__(args, strategy, model, tokenizer, train_loader, dev_loader, model_name, lr)
+        self.optimizer = optimizer
 
     def fit(self):
         """Train, evaluate on dev, save the model (collectively where sharded), write result.json (rank 0)."""
         results.announce(self)
         checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
-        # Callbacks beside the loop, called at its named points: the model state and the throughput
-        # always, any that SUITE_CALLBACKS names, the step profile with --profile, and a checkpoint when
+        # Callbacks beside the loop, called at its named points: the counts, the model state and the
+        # throughput always, any that SUITE_CALLBACKS names, the step profile with --profile, and a checkpoint when
         # a scheduler signals with --save-on-signal.
-        self.callbacks = [measure.ModelStateCount(self.strategy, self.model, self.optimizer),
+        self.progress = measure.Progress(self, first_step)
+        self.callbacks = [self.progress, measure.ModelStateCount(self.strategy, self.model, self.optimizer),
                           measure.Throughput(self), *measure.extra_callbacks(self)]
         if self.args.profile:
             self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
@@ -260,79 +306,72 @@ class Trainer:
         return self.write_result(progress, metrics, first_step)
 
     def train(self, first_step=0):
-        """The training loop; returns what it did: seconds, steps, samples and tokens, last loss."""
-        args, strategy = self.args, self.strategy
-        sampler = self.train_loader.batch_sampler
-        micro_batches_per_step = sampler.micro_batches_per_step()  # N, the last step of an epoch maybe fewer
-        steps_per_epoch = len(micro_batches_per_step)
-        total_steps = self.total_steps()
-        global_batch_sizes = sampler.global_batch_sizes()
-        progress = tqdm(total=total_steps, initial=first_step, disable=not strategy.is_main, mininterval=1,
-                        dynamic_ncols=True)
-        step, paused_seconds, samples = first_step, 0.0, 0
-        self.tokens = torch.zeros(4, dtype=torch.float64)  # count_tokens' four sums, this process
-        loss_sum = torch.zeros((), device=strategy.device)
-        losses_summed, last_loss = 0, float("nan")
+        """The training loop, from first_step (a checkpoint's); returns what it did: seconds, steps,
+        samples and tokens (self.progress counts them), and the last loss it logged."""
+        args, strategy, model = self.args, self.strategy, self.model
+        loss_sum, steps_summed, last_loss = torch.zeros((), device=strategy.device), 0, float("nan")
+        model.train()
         self.notify("on_train_begin")
-        reset_peak_memory(strategy.device)
-        synchronize(strategy.device)
-        start = time.perf_counter()
-        for epoch in range(first_step // steps_per_epoch + 1, math.ceil(total_steps / steps_per_epoch) + 1):
-            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
-            self.model.train()
-            # On resume, pass over the micro-batches of the steps the checkpoint has already taken.
-            done_this_epoch = max(0, first_step - (epoch - 1) * steps_per_epoch)
-            batches = itertools.islice(self.train_loader, sum(micro_batches_per_step[:done_this_epoch]), None)
-            last_step_in_epoch = min(steps_per_epoch, total_steps - (epoch - 1) * steps_per_epoch)  # --max-steps
-            for step_in_epoch in range(done_this_epoch, last_step_in_epoch):
-                # One optimizer step: the gradients of its micro-batches add up (--grad-accum), each
-                # sample weighed by 1 / (samples in the step), then one update.
-                micro_batches = micro_batches_per_step[step_in_epoch]
-                for micro_batch in range(micro_batches):
-                    self.notify("on_micro_batch_begin")
-                    batch = next(batches)
-                    self.tokens += count_tokens(batch)
-                    batch = self.to_device(batch)
-                    self.notify("on_forward_begin")
-                    with strategy.accumulating(self.model, last=micro_batch == micro_batches - 1):
+        for epoch, step, micro_batches in self.optimizer_steps(first_step):
+            # One optimizer step: the gradients of its micro-batches add up (--grad-accum), each
+            # sample weighed by 1 / (samples in the step), then one update.
+            for batch, last in micro_batches:
+                with strategy.accumulating(model, last=last):
+                    with self.phase("forward"):
                         _, loss = self.forward(batch)
-                        self.notify("on_backward_begin")
+                    with self.phase("backward"):
                         strategy.backward(loss)
-                        self.notify("on_backward_end")
-                    loss_sum += loss.detach()
-                self.notify("on_optimizer_step_begin")
-                strategy.step(self.model, self.optimizer)
-                step += 1
-                self.notify("on_step_end", step)
-                samples += global_batch_sizes[step_in_epoch]
-                losses_summed += 1
-                progress.update()
-                if step % args.log_steps == 0 or step == total_steps:
-                    # Reading the loss makes the CPU wait for the device (.item()) and the other
-                    # processes (reduce_mean): on logging steps only. Not a step's only wait: fp16's
-                    # loss scaling (GradScaler, DeepSpeed's) reads whether the gradients overflowed,
-                    # Horovod's step waits for its all-reduces.
-                    last_loss = strategy.reduce_mean(loss_sum / losses_summed).item()
-                    loss_sum.zero_()
-                    losses_summed = 0
-                    self.log(f"【train】 epoch：{epoch}/{args.epochs} step：{step}/{total_steps} loss：{last_loss:.6f}")
-                if args.save_steps and step % args.save_steps == 0 and step != total_steps:
-                    pause = time.perf_counter()
+                loss_sum += loss.detach()
+            with self.phase("optimizer step"):
+                strategy.step(model, self.optimizer)
+            self.notify("on_step_end", step)
+            steps_summed += 1
+            if step % args.log_steps == 0 or step == self.total_steps():
+                # Reading the loss makes the CPU wait for the device (.item()) and the other
+                # processes (reduce_mean): on logging steps only. Not a step's only wait: fp16's
+                # loss scaling (GradScaler, DeepSpeed's) reads whether the gradients overflowed,
+                # Horovod's step waits for its all-reduces.
+                last_loss = strategy.reduce_mean(loss_sum / steps_summed).item()
+                loss_sum, steps_summed = loss_sum.zero_(), 0
+                self.log(f"【train】 epoch：{epoch}/{args.epochs} step：{step}/{self.total_steps()} loss：{last_loss:.6f}")
+            if self.due(step, args.save_steps):
+                with self.phase("pause"):
                     checkpoints.save(self, step)
-                    paused_seconds += time.perf_counter() - pause
-                if args.eval_steps and step % args.eval_steps == 0 and step != total_steps:
-                    pause = time.perf_counter()
-                    metrics = self.evaluate()
-                    self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
-                    self.model.train()
-                    paused_seconds += time.perf_counter() - pause
-        synchronize(strategy.device)
-        seconds = time.perf_counter() - start - paused_seconds
-        progress.close()
+            if self.due(step, args.eval_steps):
+                with self.phase("pause"):
+                    self.evaluate_while_training(step)
         self.notify("on_train_end")
-        # The whole job's tokens: the sum over processes.
-        tokens = strategy.reduce_mean(self.tokens.to(strategy.device)).cpu() * strategy.world_size
-        return {"seconds": seconds, "steps": step, "samples": samples, "last_loss": last_loss, **token_counts(tokens)}
+        return {**self.progress.summary(), "last_loss": last_loss}
+
+    def optimizer_steps(self, first_step):
+        """Each optimizer step after first_step: its epoch, its number, and its micro-batches, each
+        on the device with whether it is the step's last."""
+        sampler, epoch = self.train_loader.batch_sampler, None
+        for step_epoch, step, micro_batches in sampler.steps(first_step, self.total_steps()):
+            if step_epoch != epoch:  # a new shuffle each epoch, the same in every process
+                epoch = step_epoch
+                sampler.set_epoch(epoch, steps_taken=step - 1)
+                batches = iter(self.train_loader)
+            yield epoch, step, self.loaded(batches, micro_batches)
+
+    def loaded(self, batches, count):
+        """The next `count` micro-batches of the loader, on the device, with whether each is the last."""
+        for index in range(count):
+            with self.phase("data loading"):
+                batch = next(batches)
+                self.progress.count_tokens(batch)
+                batch = self.to_device(batch)
+            yield batch, index == count - 1
+
+    def due(self, step, every):
+        """Whether an every-N-steps action (--save-steps, --eval-steps) falls on `step`; never on the
+        last, which fit saves and evaluates anyway."""
+        return bool(every) and step % every == 0 and step != self.total_steps()
+
+    def evaluate_while_training(self, step):
+        metrics = self.evaluate()
+        self.log(f"【dev】 step：{step} loss：{metrics['loss']:.6f} accuracy：{metrics['accuracy']:.4f}")
+        self.model.train()
 
     @torch.no_grad()
     def evaluate(self):
@@ -370,46 +409,15 @@ class Trainer:
         # that average into the sum.
         return logits, (per_sample * batch["weight"]).sum() * self.strategy.world_size
 
-    def write_result(self, progress, metrics, first_step):
-        """result.json, built here for every script: the run's fields, then each callback's own; rank
-        0 prints the report and writes the file."""
-        result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
-        self.notify("on_result", result)
-        results.publish(self, result, metrics)
-        return result
-
-    def notify(self, point, *args):
-        """Call each callback's method for this point of the loop (measure.Callback names them)."""
-        for callback in self.callbacks:
-            getattr(callback, point)(self, *args)
-
-    def epoch_steps(self):
-        """Optimizer steps in --epochs epochs."""
-        return len(self.train_loader.batch_sampler.micro_batches_per_step()) * self.args.epochs
-
-    def total_steps(self):
-        """The steps this run trains: --epochs' worth, or --max-steps when it stops sooner."""
-        return min(self.epoch_steps(), self.args.max_steps or self.epoch_steps())
-
-    def log(self, message):
-        if self.strategy.is_main:
-            tqdm.write(message)
+    @contextlib.contextmanager
+    def phase(self, name):
+        """A named part of the loop: the callbacks see it begin and end."""
+        self.notify("on_phase_begin", name)
+        yield
+        self.notify("on_phase_end", name)
 
     def to_device(self, batch):
         return {key: value.to(self.strategy.device, non_blocking=True) for key, value in batch.items()}
-
-
-def count_tokens(batch):
-    """Real tokens of the batch's real samples; then what the model computes (padding and repeats
-    included): tokens, sequences, and query-key pairs of attention (flops.py turns them into FLOPs)."""
-    real = batch["attention_mask"][batch["weight"] > 0].sum()
-    sequences, length = batch["input_ids"].shape
-    return torch.tensor([real.item(), sequences * length, sequences, sequences * length ** 2], dtype=torch.float64)
-
-
-def token_counts(sums):
-    """count_tokens' sums, by name."""
-    return dict(zip(results.TOKEN_COUNTS, sums.tolist()))
 
 
 # ----------------------------------------------------------------------------- strategy and collectives

@@ -25,7 +25,9 @@ import common
 from support import cli, fabric_setup, models
 
 
-class FabricStrategy(fabric_setup.FabricStrategyBase):
+class ThroughFabric(fabric_setup.FabricCollectives):
+    """The suite's Strategy, carried out by Fabric (whose own strategy, --fabric-strategy, is how it
+    wraps the model)."""
     name = "fabric"
 
     def accumulating(self, model, last):
@@ -65,24 +67,24 @@ def main():
     args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
-    # 1. What the launcher asked for, checked before anything starts: a precision or a strategy this
+    # [launch] What the launcher asked for, checked before anything starts: a precision or a strategy this
     #    device cannot run is refused in one line.
     device, precision = fabric_setup.resolve_launch(args)
     launcher = fabric_setup.launcher_name()
 
-    # 2. Fabric reads the ranks from the launcher; how many processes run on each machine comes
+    # [ranks] Fabric reads the ranks from the launcher; how many processes run on each machine comes
     #    from fabric run, or from the script under torchrun (layout). --fabric-strategy picks how
     #    Fabric wraps the model: DDP, FSDP2 or DeepSpeed.
     with fabric_setup.fabric_errors():
         fabric = Fabric(accelerator=device.type, strategy=fabric_setup.fabric_strategy(args),
                         precision=fabric_setup.FABRIC_PRECISION[precision], **fabric_setup.layout(launcher))
     try:
-        # 3. Join the processes (the group: gloo on CPU, NCCL on GPUs). Under fabric run Fabric()
+        # [group] Join the processes (the group: gloo on CPU, NCCL on GPUs). Under fabric run Fabric()
         #    has joined them already and launch() is refused; from plain python with Fabric(devices=N)
         #    launch() would start the other N - 1 processes itself.
         if launcher != "fabric run":
             fabric.launch()
-        strategy = FabricStrategy(fabric, args.fabric_strategy, launcher, precision)
+        strategy = ThroughFabric(fabric, args.fabric_strategy, launcher, precision)
         if strategy.is_main:
             print(f"fabric: {type(fabric.strategy).__name__}, {fabric.world_size} process(es), "
                   f"{fabric.device.type}, precision {fabric.strategy.precision.precision}")
@@ -91,7 +93,7 @@ def main():
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
             model.compile(dynamic=True)
 
-        # 4. Fabric moves the model to this process's device and wraps it: in DDP (which broadcasts
+        # [wrap] Fabric moves the model to this process's device and wraps it: in DDP (which broadcasts
         #    rank 0's weights, then averages the gradients during backward), or sharded by FSDP2, or
         #    in DeepSpeed's engine; its forward runs in the precision's autocast. The optimizer comes
         #    after the wrapping, so that under FSDP2 it holds the shards; DeepSpeed builds its engine
@@ -103,7 +105,7 @@ def main():
             model = fabric.setup_module(model)
             optimizer = fabric.setup_optimizers(models.make_optimizer(model, lr, args.weight_decay))
 
-        # 5. Each process reads a different 1/world_size of every global batch, by the suite's own
+        # [data] Each process reads a different 1/world_size of every global batch, by the suite's own
         #    samplers, as in the DDP script. Left to itself (use_distributed_sampler=True) Fabric
         #    would give a plain loader torch's DistributedSampler, which evens out an uneven epoch by
         #    repeating samples (trained twice, dev samples counted twice). The Trainer moves each
@@ -119,7 +121,7 @@ def main():
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
     finally:
-        # 6. Leave the group on every exit path, failures included, so no process is left waiting.
+        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         #    (Fabric destroys only an NCCL group itself, at the interpreter's exit.)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -17,7 +17,7 @@
     torchrun --nproc_per_node 2 multi-gpu-transformers-cls.py --fsdp
 
 The `Trainer` runs the loop that every other script of the suite takes from common.Trainer; the
-numbered comments say what it does for you. The suite's options map to TrainingArguments:
+marked comments ([data], [train], ...) say what it does for you. The suite's options map to TrainingArguments:
 --batch-size to per_device_train_batch_size, --grad-accum to gradient_accumulation_steps,
 --precision to bf16 / fp16, --epochs, --seed, --log-steps, --dist-timeout to theirs.
 
@@ -27,17 +27,11 @@ and loss averaging. With that it is the DDP script run by a library: 3 processes
 weights of single-gpu-cls.py at 33 (fp32, no shuffling or dropout: the suite tests it), and
 with shuffling and dropout on, 2 processes end with the DDP script's weights, bit for bit.
 
-DeepSpeed and FSDP come through TrainingArguments too. DeepSpeed runs on CPU processes as well
-(after join_group_on_cpu), fp32 ending with the single-device weights. FSDP needs GPUs: on CPU
-processes Accelerate (state.py) drops its plugin and would train plain DDP while the run says FSDP,
-so --fsdp on a CPU is refused (multi-gpu-fsdp-cls.py runs FSDP2 on CPUs). Also refused, in one line:
-  --resume, --save-steps: the Trainer's checkpoints (checkpoint-N folders, resumed by skipping
-      batches) do not carry the suite's meaning checks, atomic folder and sampler position;
-  --profile: the suite's phase ranges wrap common.Trainer's own methods, which do not run here;
-  python on a machine with several GPUs: the Trainer would drive them all with DataParallel;
-  --deepspeed --device cpu on a GPU machine: Accelerate would still put each process on a GPU.
+DeepSpeed and FSDP come through TrainingArguments too: DeepSpeed on CPU processes as well, FSDP on
+GPUs only (on CPUs Accelerate would drop its plugin and train plain DDP). What the Trainer cannot do
+the suite's way is refused in one line, each reason in transformers_setup: --resume, --save-steps,
+--save-on-signal, --profile, --fsdp on a CPU, python on several GPUs.
 """
-import argparse
 import functools
 import os
 
@@ -50,7 +44,7 @@ from support import checkpoints, cli, machine, results, transformers_setup
 
 def main():
     parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser)
+    cli.add_distributed_args(parser, local_rank=True)  # the legacy and deepspeed launchers pass --local_rank
     cli.add_precision_arg(parser)
     parser.add_argument("--deepspeed", metavar="JSON",
                         help="train with DeepSpeed through TrainingArguments(deepspeed=...), e.g. "
@@ -58,12 +52,10 @@ def main():
                              "command line)")
     parser.add_argument("--fsdp", action="store_true",
                         help="train with FSDP2 through TrainingArguments(fsdp=True) (GPUs only)")
-    # The legacy torch.distributed.launch and the deepspeed launcher pass --local_rank; LOCAL_RANK is read.
-    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     args = cli.check_args(parser.parse_args())
     transformers_setup.refuse_what_the_trainer_cannot_do(args)
 
-    # 1. One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads
+    # [ranks] One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads
     #    the same RANK / WORLD_SIZE / LOCAL_RANK variables the DDP script reads.
     launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or cli.started_by_srun()
     rank, world_size, local_rank, local_world_size = (
@@ -75,11 +67,11 @@ def main():
     transformers_setup.name_deepspeed_accelerator(device)
     own_group = launched and device.type == "cpu"
     try:
-        # 2. CPU processes join their gloo group here, GPU ones in TrainingArguments (join_group_on_cpu says why).
+        # [group] CPU processes join their gloo group here, GPU ones in TrainingArguments (join_group_on_cpu says why).
         if own_group:
             transformers_setup.join_group_on_cpu(args, deepspeed=deepspeed_config is not None)
 
-        # 3. TrainingArguments is the Trainer's whole configuration; creating it joins the process
+        # [config] TrainingArguments is the Trainer's whole configuration; creating it joins the process
         #    group (NCCL between GPUs) and picks this process's device. The suite's options map to
         #    its arguments; suite_defaults undoes the Trainer defaults that the suite does not have.
         training_args = TrainingArguments(
@@ -108,45 +100,45 @@ def main():
             model.compile(dynamic=True)
         training_args.learning_rate = lr  # for the Trainer's logs; the optimizer is ours (create_optimizer)
 
-        # 4. The suite's loaders, sharded by rank as in the DDP script, in place of the Trainer's own
+        # [data] The suite's loaders, sharded by rank as in the DDP script, in place of the Trainer's own
         #    (SuiteTrainer gives them to it, and tells the sampler each epoch, counting from 1 as every
         #    script does, where the Trainer would count from 0).
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
         dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
 
-        # The suite's own Trainer, used only for what every script reports the same way: the thread
-        # policy, result.json and the printed lines.
-        suite = common.Trainer(args, strategy, model, None, tokenizer, train_loader, dev_loader, model_name, lr)
-        results.announce(suite)
-        training_args.max_steps = suite.total_steps() if args.max_steps else -1  # --max-steps (-1: the epochs decide)
+        # What every script reports the same way (the thread policy, the printed lines, result.json)
+        # comes from the suite's Run; the Trainer below trains.
+        run = common.Run(args, strategy, model, tokenizer, train_loader, dev_loader, model_name, lr)
+        results.announce(run)
+        training_args.max_steps = run.total_steps() if args.max_steps else -1  # --max-steps (-1: the epochs decide)
 
-        # 5. The Trainer does what the DDP script writes by hand or takes from common.Trainer: moves
+        # [train] The Trainer does what the DDP script writes by hand or takes from common.Trainer: moves
         #    the model to the device and wraps it in DistributedDataParallel (or hands it to
         #    DeepSpeed or FSDP) through Accelerate, runs forward, backward and the optimizer step,
         #    skips the gradient all-reduce of a step's first N - 1 micro-batches, and averages the
         #    logged loss over the processes. Its callbacks print the suite's lines and measure.
         trainer = transformers_setup.SuiteTrainer(
-            suite, model=model, args=training_args, train_dataset=train_set, eval_dataset=dev_set,
+            run, model=model, args=training_args, train_dataset=train_set, eval_dataset=dev_set,
             compute_metrics=functools.partial(transformers_setup.dev_metrics, dev_size=len(dev_set)))
         trainer.train()
         progress = trainer.measurements.progress()
 
-        # 6. Trainer.evaluate runs the dev loader, gathers the logits (and our index and weight) from
+        # [evaluate] Trainer.evaluate runs the dev loader, gathers the logits (and our index and weight) from
         #    every process batch by batch, and hands them to compute_metrics (dev_metrics).
         metrics = {key.removeprefix("eval_"): value for key, value in trainer.evaluate().items()}
         metrics["loss"] = metrics["dev_loss"]  # its own eval_loss averages batch means, repeats included
 
-        # 7. The whole weights (gathered by every process from DeepSpeed ZeRO-3 or FSDP shards), written
+        # [save] The whole weights (gathered by every process from DeepSpeed ZeRO-3 or FSDP shards), written
         #    by rank 0 with checkpoints.save_model: safetensors, config and tokenizer, swapped in whole.
         #    Trainer.save_model would write in place, and add training_args.bin (a pickle).
         state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
         if strategy.is_main:
             checkpoints.save_model(trainer.accelerator.unwrap_model(trainer.model), tokenizer,
-                                   suite.output_dir / "model", state_dict=state_dict)
-        suite.write_result(progress, metrics, 0)  # 0: no --resume here; the measurements: suite.callbacks
+                                   run.output_dir / "model", state_dict=state_dict)
+        run.write_result(progress, metrics, 0)  # 0: no --resume here; the measurements: run.callbacks
     finally:
-        # 8. Leave the process group on every exit path, failures included (what trainer.end() does).
+        # [leave] Leave the process group on every exit path, failures included (what trainer.end() does).
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -29,6 +29,13 @@ BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "
 REDUCE_BUCKET_ELEMENTS = 25 * 2**20 // 4
 
 
+def refuse_optimizer_sections(config, path):
+    """Every script of the suite builds its AdamW from --lr and --weight-decay, at a constant rate."""
+    if "optimizer" in config or "scheduler" in config:
+        raise cli.UserError(f"{path}: remove its optimizer/scheduler section: the suite builds AdamW from --lr "
+                            "and --weight-decay, with a constant learning rate")
+
+
 def add_deepspeed_args(parser):
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
                         help="what ZeRO partitions; None = the config file's, else 2")
@@ -95,9 +102,7 @@ def build_config(args, device, world_size):
         if not isinstance(config.get(section, {}), dict):
             raise cli.UserError(f"{args.deepspeed_config}: \"{section}\" must be a JSON object (like "
                                 f"{{\"enabled\": true}}), got {json.dumps(config[section])}")
-    if "optimizer" in config or "scheduler" in config:
-        raise cli.UserError(f"{args.deepspeed_config}: remove its optimizer/scheduler section: this script "
-                            "builds AdamW from --lr and --weight-decay, as every script of the suite does")
+    refuse_optimizer_sections(config, args.deepspeed_config)
     zero = config.setdefault("zero_optimization", {})
     if args.zero_stage is not None:
         zero["stage"] = args.zero_stage

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 import common
-from . import checkpoints, cli, machine
+from . import checkpoints, cli, deepspeed_setup, machine
 
 # The suite's --precision and Fabric's names for it: "32-true" is Fabric's default, the mixed ones autocast.
 FABRIC_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -97,11 +97,11 @@ def fabric_strategy(args):
     os.environ["DS_ACCELERATOR"] = "cuda"  # DeepSpeed picks its accelerator when first imported
     if importlib.util.find_spec("deepspeed") is None:  # Fabric would import it: say what is missing in one line
         raise cli.UserError("--fabric-strategy deepspeed needs the deepspeed package")
-    # ZeRO stage 2 with DDP's 25 MiB reduce bucket as in configs/deepspeed/ (DeepSpeed's own default
-    # allocates 1.9 GB), the batch sizes the suite's loaders give, and no gradient clipping (no other
-    # script clips). Fabric adds the precision section.
+    # ZeRO stage 2 with the suite's reduce bucket (deepspeed_setup says why), the batch sizes the
+    # suite's loaders give, and no gradient clipping (no other script clips). Fabric adds the
+    # precision section.
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 25 * 2**20 // 4},
+    config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": deepspeed_setup.REDUCE_BUCKET_ELEMENTS},
               "gradient_clipping": 0.0,
               "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
               "train_batch_size": args.batch_size * world_size * args.grad_accum}
@@ -129,7 +129,7 @@ def fabric_errors():
         raise cli.UserError(f"Fabric: {str(error).strip().splitlines()[0]}") from None
 
 
-class FabricStrategyBase(common.Strategy):
+class FabricCollectives(common.Strategy):
     """What the suite's Strategy needs from Fabric beside the training step: rank and device, objects
     shared between processes, the whole model and checkpoints saved through Fabric, the precision
     plugin's state, versions and result fields. multi-gpu-fabric-cls.py adds the step itself."""

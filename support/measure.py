@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, record_function
+from tqdm import tqdm
 
 from . import flops, results
 from .cli import UserError
-from .machine import synchronize
+from .machine import reset_peak_memory, synchronize
 
 
 class Callback:
@@ -24,31 +25,81 @@ class Callback:
     and Lightning's callbacks are; a measurement overrides the points it needs."""
 
     def on_train_begin(self, trainer):
-        """Before the loop's clock starts."""
+        """Before the first step."""
 
-    def on_micro_batch_begin(self, trainer):
-        """Before a micro-batch is fetched from the training loader."""
+    def on_phase_begin(self, trainer, phase):
+        """A part of the loop begins: "data loading", "forward", "backward" (each micro-batch's),
+        "optimizer step", or "pause" (saving a checkpoint, evaluating: not training time)."""
 
-    def on_forward_begin(self, trainer):
-        """The micro-batch is on the device."""
-
-    def on_backward_begin(self, trainer):
-        """The loss is computed."""
-
-    def on_backward_end(self, trainer):
-        """The micro-batch's gradients are computed (and, on its last micro-batch, reduced by the strategy)."""
-
-    def on_optimizer_step_begin(self, trainer):
-        """Every micro-batch of the step is through backward."""
+    def on_phase_end(self, trainer, phase):
+        """That part has ended."""
 
     def on_step_end(self, trainer, step):
         """Optimizer step `step` (counted from 1, from the checkpoint's step on --resume) is taken."""
 
     def on_train_end(self, trainer):
-        """The loop's clock has stopped."""
+        """After the last step."""
 
     def on_result(self, trainer, result):
         """Add this measurement's fields to `result` (result.json)."""
+
+
+class Progress(Callback):
+    """What the loop did, counted beside it: its seconds (pauses taken out), steps, samples and
+    tokens, and rank 0's progress bar."""
+
+    def __init__(self, trainer, first_step):
+        self.strategy, self.step, self.samples, self.paused = trainer.strategy, first_step, 0, 0.0
+        self.global_batch_sizes = trainer.train_loader.batch_sampler.global_batch_sizes()
+        self.tokens = torch.zeros(4, dtype=torch.float64)  # count_tokens' four sums, this process
+        self.bar = tqdm(total=trainer.total_steps(), initial=first_step, disable=not trainer.strategy.is_main,
+                        mininterval=1, dynamic_ncols=True)
+
+    def count_tokens(self, batch):
+        self.tokens += count_tokens(batch)
+
+    def on_train_begin(self, trainer):
+        reset_peak_memory(self.strategy.device)
+        synchronize(self.strategy.device)
+        self.start = time.perf_counter()
+
+    def on_phase_begin(self, trainer, phase):
+        if phase == "pause":
+            self.pause_start = time.perf_counter()
+
+    def on_phase_end(self, trainer, phase):
+        if phase == "pause":
+            self.paused += time.perf_counter() - self.pause_start
+
+    def on_step_end(self, trainer, step):
+        self.step = step
+        self.samples += self.global_batch_sizes[(step - 1) % len(self.global_batch_sizes)]
+        self.bar.update()
+
+    def on_train_end(self, trainer):
+        synchronize(self.strategy.device)
+        self.seconds = time.perf_counter() - self.start - self.paused
+        self.bar.close()
+
+    def summary(self):
+        """Seconds, steps, samples and the whole job's tokens (summed over the processes: every
+        process calls this)."""
+        strategy = self.strategy
+        tokens = strategy.reduce_mean(self.tokens.to(strategy.device)).cpu() * strategy.world_size
+        return {"seconds": self.seconds, "steps": self.step, "samples": self.samples, **token_counts(tokens)}
+
+
+def count_tokens(batch):
+    """Real tokens of the batch's real samples; then what the model computes (padding and repeats
+    included): tokens, sequences, and query-key pairs of attention (flops.py turns them into FLOPs)."""
+    real = batch["attention_mask"][batch["weight"] > 0].sum()
+    sequences, length = batch["input_ids"].shape
+    return torch.tensor([real.item(), sequences * length, sequences, sequences * length ** 2], dtype=torch.float64)
+
+
+def token_counts(sums):
+    """count_tokens' sums, by name."""
+    return dict(zip(results.TOKEN_COUNTS, sums.tolist()))
 
 
 class ModelStateCount(Callback):
@@ -68,10 +119,11 @@ class ModelStateCount(Callback):
         engine = getattr(strategy, "engine", None)
         self.zero_optimizer = getattr(engine, "optimizer", None)  # DeepSpeed's
 
-    def on_optimizer_step_begin(self, trainer):
-        self.steps += 1
-        if self.steps <= 2:
-            self.count()
+    def on_phase_begin(self, trainer, phase):
+        if phase == "optimizer step":
+            self.steps += 1
+            if self.steps <= 2:
+                self.count()
 
     def master_weights(self):
         """DeepSpeed's fp32 partitions, one per parameter group: what its torch optimizer updates."""
@@ -155,12 +207,12 @@ class Throughput(Callback):
             sampler = trainer.train_loader.batch_sampler
             sizes = sampler.global_batch_sizes()
             self.first_step, self.first_samples = step, sizes[(step - 1) % len(sizes)]
-            self.first_tokens = trainer.tokens.clone()
+            self.first_tokens = trainer.progress.tokens.clone()
         self.marks.append(self.mark())
 
     def on_train_end(self, trainer):
         synchronize(self.device)
-        self.tokens = trainer.tokens.clone()
+        self.tokens = trainer.progress.tokens.clone()
         if trainer.args.compile:  # graphs dynamo compiled while training: each recompile or graph break adds one
             from torch._dynamo.utils import counters
             self.compiled_graphs = counters["stats"]["unique_graphs"]
@@ -333,23 +385,14 @@ class StepProfile(Callback):
     def on_train_begin(self, trainer):
         self.profiler.start()
 
-    def on_micro_batch_begin(self, trainer):
-        self.begin("data loading")
+    def on_phase_begin(self, trainer, phase):
+        if phase != "pause":
+            self.begin(phase)
 
-    def on_forward_begin(self, trainer):
-        self.begin("forward")
-
-    def on_backward_begin(self, trainer):
-        self.begin("backward")
-
-    def on_backward_end(self, trainer):
+    def on_phase_end(self, trainer, phase):
         self.end()
-
-    def on_optimizer_step_begin(self, trainer):
-        self.begin("optimizer step")
 
     def on_step_end(self, trainer, step):
-        self.end()
         self.profiler.step()
 
     def on_train_end(self, trainer):

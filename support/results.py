@@ -12,7 +12,7 @@ from .machine import device_description, peak_memory_mb
 from .models import parameter_count
 
 
-# common.count_tokens' sums, in its order: real tokens, then what the model computed (flops.py's three).
+# measure.count_tokens' sums, in its order: real tokens, then what the model computed (flops.py's three).
 TOKEN_COUNTS = ("real_tokens", "computed_tokens", "computed_sequences", "attended_pairs")
 
 
@@ -77,7 +77,7 @@ def fields(trainer, progress, metrics):
         "samples_per_second": round(progress["samples"] / progress["seconds"], 2),
         "tokens_per_sample": round(progress["real_tokens"] / samples, 2),
         "padded_tokens_per_sample": round((progress["computed_tokens"] - progress["real_tokens"]) / samples, 2),
-        # The job's sums (common.count_tokens): what the throughput and FLOPs are counted from.
+        # The job's sums (measure.count_tokens): what the throughput and FLOPs are counted from.
         **{name: progress[name] for name in TOKEN_COUNTS},
         "peak_memory_mb": round(peak_memory_mb(strategy.device), 1),
         "final_train_loss": progress["last_loss"],

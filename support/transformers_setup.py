@@ -15,16 +15,18 @@ from accelerate import PartialState
 from transformers import ProgressCallback, Trainer, TrainerCallback
 
 import common
-from . import cli, files, machine, measure, models, results
+from . import cli, deepspeed_setup, files, machine, measure, models, results
 
 SCRIPT = "multi-gpu-transformers-cls.py"
 
 
 def refuse_what_the_trainer_cannot_do(args):
+    """The Trainer's checkpoints (checkpoint-N folders, resumed by skipping batches) lack the suite's
+    meaning checks, atomic folder and sampler position; the phases of --profile wrap common.Trainer's
+    loop, which does not run here."""
     if args.resume or args.save_steps or args.save_on_signal:
         raise cli.UserError(f"--resume, --save-steps and --save-on-signal are not available in {SCRIPT}: "
-                            "the Trainer's own checkpoints lack the suite's meaning checks and sampler position "
-                            "(see its docstring)")
+                            "the Trainer's own checkpoints lack the suite's meaning checks and sampler position")
     if args.profile:
         raise cli.UserError(f"--profile is not available in {SCRIPT}: its phases wrap common.Trainer's loop, "
                             "which transformers.Trainer replaces here")
@@ -52,9 +54,7 @@ def read_deepspeed_config(path):
     """The DeepSpeed config file with what the suite decides left to the Trainer: "auto" makes
     TrainingArguments fill batch sizes, clipping and precision from the command line."""
     config = files.read_json_object(path, "DeepSpeed config")
-    if "optimizer" in config or "scheduler" in config:
-        raise cli.UserError(f"{path}: remove its optimizer/scheduler section: the suite builds AdamW from --lr "
-                            "and --weight-decay, with a constant learning rate")
+    deepspeed_setup.refuse_optimizer_sections(config, path)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                 "gradient_clipping"):
         if config.get(key, "auto") != "auto":
@@ -112,7 +112,7 @@ def suite_defaults(device, launched, own_group, deepspeed_config):
     )
 
 
-class TransformersTrainer(common.TorchDistributed):
+class TransformersStrategy(common.TorchDistributed):
     """The suite's view of this run: rank, device and collectives for loading data and the result file."""
 
     name = "hf-trainer"
@@ -159,13 +159,13 @@ def suite_strategy(args, training_args, device, launched, rank, world_size, loca
     if args.local_rank is not None:
         launcher = "deepspeed" if args.deepspeed else "torch.distributed.launch"
     deepspeed_config = training_args.hf_deepspeed_config.config if args.deepspeed else None
-    return TransformersTrainer(device, rank, world_size, args.precision, local_world_size, launcher,
+    return TransformersStrategy(device, rank, world_size, args.precision, local_world_size, launcher,
                                deepspeed_config)
 
 
 class SuiteTrainer(Trainer):
     """transformers.Trainer with the suite's data, optimizer and loss in place of its own defaults, and
-    the suite's printed lines and measurements as callbacks. `suite` is the common.Trainer of this run,
+    the suite's printed lines and measurements as callbacks. `run` is the common.Run that reports it,
     which holds the loaders and reports."""
 
     # training_step divides the loss by the number of micro-batches unless told it is already
@@ -173,24 +173,24 @@ class SuiteTrainer(Trainer):
     # weighs 1 / (samples in its optimizer step), so the micro-batches' losses add up to the step's mean.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, suite, **kwargs):
-        self.suite, self.torch_optimizer = suite, None
+    def __init__(self, run, **kwargs):
+        self.run, self.torch_optimizer = run, None
         super().__init__(**kwargs)
         self.remove_callback(ProgressCallback)  # SuiteLines keeps its bar and prints the suite's lines
-        self.add_callback(SuiteLines(suite.args, suite.train_loader))
-        self.measurements = Measurements(self, suite.strategy, suite.train_loader)
+        self.add_callback(SuiteLines(run.args, run.train_loader))
+        self.measurements = Measurements(self, run.strategy, run.train_loader)
         self.add_callback(self.measurements)
-        self.add_callback(SuiteEpochs(suite.train_loader.batch_sampler))
+        self.add_callback(SuiteEpochs(run.train_loader.batch_sampler))
 
     # The suite's loaders, not the Trainer's: its own (a random sampler, sharded by Accelerate's
     # prepare, which evens out the processes' last batches by training samples twice, and its
     # padding collator) would take other batches. GlobalBatchSampler deals each global batch out
     # exactly as DDP's script does, with repeats of weight 0.
     def get_train_dataloader(self):
-        return self.suite.train_loader
+        return self.run.train_loader
 
     def get_eval_dataloader(self, eval_dataset=None):
-        return self.suite.dev_loader
+        return self.run.dev_loader
 
     def create_optimizer(self, model=None):
         # The suite's AdamW (models.make_optimizer: fused where every weight is a plain CUDA tensor;
@@ -198,8 +198,8 @@ class SuiteTrainer(Trainer):
         # Trainer(optimizers=...): FSDP refuses a ready optimizer, and DeepSpeed discards it and
         # calls this method (integrations/deepspeed.py, deepspeed_optim_sched).
         if self.optimizer is None:
-            self.optimizer = self.torch_optimizer = models.make_optimizer(model or self.model, self.suite.lr,
-                                                                          self.suite.args.weight_decay)
+            self.optimizer = self.torch_optimizer = models.make_optimizer(model or self.model, self.run.lr,
+                                                                          self.run.args.weight_decay)
         return self.optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -303,7 +303,7 @@ class Measurements(TrainerCallback):
         self.start = None
 
     def count_tokens(self, batch):
-        self.tokens += common.count_tokens(batch)
+        self.tokens += measure.count_tokens(batch)
 
     def on_train_begin(self, args, state, control, **kwargs):
         # After the Trainer has wrapped the model and built the optimizer: what follows is the loop.
@@ -316,17 +316,17 @@ class Measurements(TrainerCallback):
         self.model_state = measure.ModelStateCount(self.strategy, self.trainer.model_wrapped,
                                                    self.trainer.torch_optimizer)
         # The extra callbacks see the model as the Trainer wrapped it (DDP's, DeepSpeed's engine).
-        wrapped = copy.copy(self.trainer.suite)
+        wrapped = copy.copy(self.trainer.run)
         wrapped.model = self.trainer.model_wrapped
         self.extra = measure.extra_callbacks(wrapped)
         # What common.Trainer.write_result asks for each measurement's result.json fields (on_result).
-        self.throughput = measure.Throughput(self.trainer.suite)
-        self.trainer.suite.tokens = self.tokens  # what the throughput reads of the steps' work
-        self.trainer.suite.callbacks = [self.model_state, self.throughput, *self.extra]
+        self.throughput = measure.Throughput(self.trainer.run)
+        self.trainer.run.progress = self  # the throughput reads the steps' tokens from it
+        self.trainer.run.callbacks = [self.model_state, self.throughput, *self.extra]
         machine.reset_peak_memory(self.strategy.device)
         machine.synchronize(self.strategy.device)
         self.start = time.perf_counter()
-        self.throughput.on_train_begin(self.trainer.suite)
+        self.throughput.on_train_begin(self.trainer.run)
 
     def collect_zero_partitions(self, optimizer, args, kwargs):
         if self.model_state.bytes is None:  # a step fp16 skips (its gradients overflowed) never gets here
@@ -343,7 +343,7 @@ class Measurements(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
         for callback in [self.throughput, *self.extra]:
-            callback.on_step_end(self.trainer.suite, state.global_step)
+            callback.on_step_end(self.trainer.run, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in logs:
@@ -357,10 +357,10 @@ class Measurements(TrainerCallback):
         if state.global_step == state.max_steps:
             machine.synchronize(self.strategy.device)
             self.seconds = time.perf_counter() - self.start - self.paused
-            self.throughput.on_train_end(self.trainer.suite)
+            self.throughput.on_train_end(self.trainer.run)
 
     def progress(self):
         """What common.Trainer.train returns, for common.Trainer.write_result."""
         tokens = self.strategy.reduce_mean(self.tokens.to(self.strategy.device)).cpu() * self.strategy.world_size
         return {"seconds": self.seconds, "steps": self.trainer.state.global_step, "samples": self.samples,
-                "last_loss": self.last_loss, **common.token_counts(tokens)}
+                "last_loss": self.last_loss, **measure.token_counts(tokens)}

@@ -51,7 +51,7 @@ def counted_flops(model, batches):
 
 
 def work(batches):
-    """The three sums training_flops reads, as common.count_tokens adds them up: B*S, B, B*S*S."""
+    """The three sums training_flops reads, as measure.count_tokens adds them up: B*S, B, B*S*S."""
     shapes = [encoded["input_ids"].shape for encoded in batches]
     return (sum(b * s for b, s in shapes), sum(b for b, _ in shapes), sum(b * s * s for b, s in shapes))
 
