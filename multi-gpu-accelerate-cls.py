@@ -11,9 +11,10 @@
 
 The Accelerator reads the ranks the launcher gives, picks each process's device, wraps the model
 in DistributedDataParallel and applies mixed precision, so the training loop is the single-device
-one. The data loaders are sharded as in the DDP script (step 3 says why not by Accelerate).
+one. The data loaders are sharded as in the DDP script ([data] says why not by Accelerate).
 Without GPUs the same code runs CPU processes over gloo.
 """
+import contextlib
 import os
 from datetime import timedelta
 
@@ -35,23 +36,22 @@ class Accelerate(common.Strategy):
         super().__init__(accelerator.device, accelerator.process_index, accelerator.num_processes, precision,
                          local_world_size)
         self.accelerator, self.launcher = accelerator, launcher
+        if accelerator.gradient_accumulation_steps != 1:  # backward() would divide the loss by it
+            raise cli.UserError(f"the accelerate config sets gradient_accumulation_steps "
+                                f"{accelerator.gradient_accumulation_steps}: use --grad-accum instead")
 
     @property
     def is_main(self):
         return self.accelerator.is_main_process  # rank 0 of all machines; accelerator.print prints once per machine
 
     def accumulating(self, model, last):
-        # With --grad-accum N, accumulate() lets the gradients of a step's micro-batches add up without
-        # all-reducing them (DDP's no_sync) and all-reduces at the N-th, counting micro-batches
-        # itself. The last step of an epoch may have fewer: make its last micro-batch the N-th.
-        if last:
-            self.accelerator.step = self.accelerator.gradient_accumulation_steps - 1
-        return self.accelerator.accumulate(model)
+        # With --grad-accum N, no_sync() lets the gradients of a step's first micro-batches add up
+        # without all-reducing them, as DDP's does. Not accumulate(): it counts N micro-batches
+        # itself, and has no public way to be told that an epoch's short last step has fewer.
+        return contextlib.nullcontext() if last else self.accelerator.no_sync(model)
 
     def backward(self, loss):
-        # Scales the loss first when fp16 needs a gradient scaler, and divides it by N: undo that,
-        # since the suite's weights already make the step's micro-batches add up to its mean.
-        self.accelerator.backward(loss * self.accelerator.gradient_accumulation_steps)
+        self.accelerator.backward(loss)  # scales the loss first when fp16 needs a gradient scaler
 
     def reduce_mean(self, tensor):
         return self.accelerator.reduce(tensor, "mean")
@@ -110,15 +110,15 @@ def main():
     args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
-    # 1. Accelerate joins the launched processes on GPUs by itself, on CPUs only when told cpu=True:
+    # [group] Accelerate joins the launched processes on GPUs by itself, on CPUs only when told cpu=True:
     #    without GPUs, Accelerator() alone leaves each process on its own, training on all the data.
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     on_cpu = machine.resolve_device(args.device, local_rank).type == "cpu"
     mixed_precision = {"fp32": "no"}.get(args.precision, args.precision)
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision, gradient_accumulation_steps=args.grad_accum,
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision,
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))])
     try:
-        # 2. On CPU Accelerate accepts fp16 but silently trains in fp32: refuse rather than mislabel.
+        # [precision] On CPU Accelerate accepts fp16 but silently trains in fp32: refuse rather than mislabel.
         precision = {"no": "fp32"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
         machine.check_precision(precision, accelerator.device)
         strategy = Accelerate(accelerator, launcher_name(), precision)
@@ -129,7 +129,7 @@ def main():
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
             model.compile(dynamic=True)
 
-        # 3. The loaders are sharded as in the DDP script, by this process's index, not by prepare():
+        # [data] The loaders are sharded as in the DDP script, by this process's index, not by prepare():
         #    to give every process as many batches, prepare() fills a short last global batch with
         #    samples from the start of the epoch, which train twice (even_batches=True); with
         #    even_batches=False the process with more batches waits forever in the all-reduce. Our
@@ -140,7 +140,7 @@ def main():
             dev_set, args, accelerator.num_processes, accelerator.process_index))
         optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
-        # 4. One call does the rest of the DDP script's set-up: moves the model to this process's
+        # [wrap] One call does the rest of the DDP script's set-up: moves the model to this process's
         #    device and wraps it in DDP (and in autocast for mixed precision), and wraps the
         #    optimizer (fp16 loss scaling).
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -148,7 +148,7 @@ def main():
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
     finally:
-        # 5. Leave the process group on every exit path, failures included.
+        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         accelerator.end_training()
 
 
