@@ -67,7 +67,7 @@ def main():
                             "torch.compile does not support; compile with DDP (multi-gpu-distributed-cls.py)")
     common.set_seed(args.seed)
 
-    # 1. One process for all the GPUs: the first GPU named holds the model, receives every batch and
+    # [device] One process for all the GPUs: the first GPU named holds the model, receives every batch and
     #    the gathered outputs, and runs the optimizer. Other processes on the machine may use the rest.
     #    Make it the current GPU before anything uses CUDA: pinned memory, the default stream and
     #    the GPU random state a checkpoint saves follow the current GPU, else GPU 0, which
@@ -80,10 +80,10 @@ def main():
 
     train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
     model.to(device)
-    # 2. Each forward pass splits the batch over the GPUs (--batch-size is the whole batch: pass
+    # [batch] Each forward pass splits the batch over the GPUs (--batch-size is the whole batch: pass
     #    32 x GPUs to give each GPU what DDP gives each process), runs a copy of the model on each and
     #    gathers the logits on the first GPU.
-    # 3. The Trainer gives the model no labels, so the copies compute no loss of their own (given
+    # [loss] The Trainer gives the model no labels, so the copies compute no loss of their own (given
     #    labels, each would return its split's mean, one loss per GPU). It computes one loss from the
     #    gathered logits, a mean over the whole batch, as the reference tutorial does; backward runs
     #    through the gather back into each copy, and DataParallel sums the copies' gradients into the
@@ -95,7 +95,7 @@ def main():
     dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
     optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
-    # 4. --grad-accum N works as on one device: the gradients of N micro-batches add up on the first
+    # [grad-accum] --grad-accum N works as on one device: the gradients of N micro-batches add up on the first
     #    GPU, where DataParallel gathers them anyway, and the optimizer steps once.
     trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
     trainer.fit()

@@ -15,7 +15,6 @@ state across the processes instead of copying it into each: stage 1 splits the o
 stage 2 also the gradients, stage 3 also the weights; stage 0 splits nothing (plain data
 parallelism). Without GPUs the same code runs CPU processes that talk over gloo.
 """
-import argparse
 import contextlib
 import glob
 import json
@@ -126,18 +125,15 @@ class DeepSpeed(common.TorchDistributed):
 
 def main():
     parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser)
+    cli.add_distributed_args(parser, local_rank=True)  # the deepspeed launcher passes --local_rank=N
     deepspeed_setup.add_deepspeed_args(parser)  # --zero-stage, --offload, --precision, --deepspeed-config
-    # 1. The deepspeed launcher passes --local_rank=N; it also sets LOCAL_RANK in the environment,
-    #    which is what we read.
-    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
     if args.estimate_memory is not None:  # a table of what each ZeRO stage needs per GPU, then exit
         deepspeed_setup.estimate_memory(args)
         return
 
-    # 2. The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
+    # [ranks] The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
     rank, world_size, local_rank, local_world_size = cli.launch_environment(
         "deepspeed --num_gpus N multi-gpu-deepspeed-cls.py")
@@ -145,7 +141,7 @@ def main():
     device = machine.resolve_device(args.device, local_rank)
     deepspeed = deepspeed_setup.import_deepspeed(device)  # on the accelerator --device names
 
-    # 3. One config drives the engine: the --deepspeed-config file, the flags on top. For
+    # [config] One config drives the engine: the --deepspeed-config file, the flags on top. For
     #    --zero-stage 3 --offload optimizer --precision bf16 --batch-size 16 on 2 GPUs:
     #      {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}},
     #       "fp16": {"enabled": false}, "bf16": {"enabled": true}, "gradient_clipping": 0.0,
@@ -153,7 +149,7 @@ def main():
     #    Built and checked before joining the group, so a bad combination fails at once everywhere.
     config, precision = deepspeed_setup.build_config(args, device, world_size)
 
-    # 4. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
+    # [group] Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     #    init_distributed joins it through deepspeed.comm, the layer the engine communicates with.
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -162,7 +158,7 @@ def main():
         strategy = DeepSpeed(device, rank, world_size, local_world_size, precision, config)
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
-        # 5. The engine takes DDP's place: it moves the model to the device, casts it to fp16/bf16,
+        # [wrap] The engine takes DDP's place: it moves the model to the device, casts it to fp16/bf16,
         #    partitions the optimizer state (stage 1+), gradients (2+) and weights (3), and wraps the
         #    optimizer, built first: AdamW, or DeepSpeed's CPU Adam when the optimizer is offloaded.
         optimizer = deepspeed_setup.make_optimizer(model, lr, args, config)
@@ -176,7 +172,7 @@ def main():
                   f"{precision}: global batch {config['train_batch_size']} = {args.batch_size} per process x "
                   f"{world_size} processes x {config['gradient_accumulation_steps']} accumulation steps")
 
-        # 6. Our own loaders, sharded as DDP's, rather than the ones deepspeed.initialize can build:
+        # [data] Our own loaders, sharded as DDP's, rather than the ones deepspeed.initialize can build:
         #    the same samples reach the same ranks in every script, each dev sample is evaluated once.
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
@@ -185,7 +181,7 @@ def main():
         trainer = common.Trainer(args, strategy, engine, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
     finally:
-        # 7. Leave the group on every exit path, failures included, so no process is left waiting.
+        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()
         deepspeed_setup.remove_shared_memory_buffer(rank)
 

@@ -12,7 +12,6 @@ Each process holds a full copy of the model and trains on its own shard of every
 averages the gradients across processes during backward, so all copies take the same step.
 Without GPUs the same code runs CPU processes that talk over gloo instead of NCCL.
 """
-import argparse
 import contextlib
 from datetime import timedelta
 
@@ -41,38 +40,34 @@ class DDP(common.TorchDistributed):
 
 def main():
     parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser, backend=True)
-    # 1. The legacy torch.distributed.launch passes --local-rank (older releases --local_rank);
-    #    torchrun passes nothing. Both set LOCAL_RANK in the environment, which is what we read;
-    #    the flag only tells the result file which launcher ran.
-    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    cli.add_distributed_args(parser, backend=True, local_rank=True)
     args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
-    # 2. The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
+    # [ranks] The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
     rank, world_size, local_rank, local_world_size = cli.launch_environment(
         "torchrun --nproc_per_node N multi-gpu-distributed-cls.py")
     device = machine.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
 
-    # 3. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
+    # [group] Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(machine.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
     try:
         strategy = DDP(device, rank, world_size, local_world_size=local_world_size)
-        if args.local_rank is not None:
+        if args.local_rank is not None:  # passed by the legacy launcher only
             strategy.launcher = "torch.distributed.launch"
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         model.to(device)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
             model.compile(dynamic=True)
-        # 4. DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
+        # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
         #    gradients during backward(), overlapping the communication with the computation.
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-        # 5. Each process reads a different 1/world_size of every global batch, so the global batch
+        # [data] Each process reads a different 1/world_size of every global batch, so the global batch
         #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
@@ -82,7 +77,7 @@ def main():
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
     finally:
-        # 6. Leave the group on every exit path, failures included, so no process is left waiting.
+        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()
 
 

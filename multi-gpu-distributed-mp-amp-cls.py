@@ -34,14 +34,14 @@ class DDPWithAMP(common.TorchDistributed):
     def __init__(self, device, rank, world_size, local_world_size, precision):
         super().__init__(device, rank, world_size, precision, local_world_size)
         self.amp_dtype = AMP_DTYPES[precision]
-        # AMP 1. fp16 has a narrow range: small gradients would round to zero. The scaler multiplies
-        #        the loss before backward and divides the gradients before the step, skipping steps
-        #        whose gradients overflowed. bf16 has fp32's range: no scaler (disabled = pass-through).
+        # [amp] fp16 has a narrow range: small gradients would round to zero. The scaler multiplies
+        #    the loss before backward and divides the gradients before the step, skipping steps
+        #    whose gradients overflowed. bf16 has fp32's range: no scaler (disabled = pass-through).
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     def autocast(self):
-        # AMP 2. Only the forward pass runs under autocast (the Trainer then computes the loss in fp32
-        #        from the logits); backward and the optimizer step run outside it, on fp32 weights.
+        # [amp] Only the forward pass runs under autocast (the Trainer then computes the loss in fp32
+        #    from the logits); backward and the optimizer step run outside it, on fp32 weights.
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
     def backward(self, loss):
@@ -55,8 +55,8 @@ class DDPWithAMP(common.TorchDistributed):
         optimizer.zero_grad(set_to_none=True)
 
     def extra_state(self):
-        # AMP 3. The scale the scaler has learned is training state: --resume restores it rather
-        #        than starting again at 65536 and skipping steps to find it.
+        # [amp] The scale the scaler has learned is training state: --resume restores it rather
+        #    than starting again at 65536 and skipping steps to find it.
         return {"scaler": self.scaler.state_dict()}
 
     def load_extra_state(self, state):
@@ -76,7 +76,7 @@ class DDPWithAMP(common.TorchDistributed):
 def main():
     parser = cli.build_parser(__file__, __doc__)
     cli.add_distributed_args(parser, backend=True)
-    # 1. The options torchrun took (--nprocs, --nnodes, --node-rank, --master-addr, --master-port), now
+    # [launch] The options torchrun took (--nprocs, --nnodes, --node-rank, --master-addr, --master-port), now
     #    the script's own, and torchrun's checks: a free port unless one is named, a rank per machine.
     spawn_setup.add_launch_args(parser)
     cli.add_precision_arg(parser, default=None, default_help="fp16 on GPUs, bf16 on CPU")
@@ -84,15 +84,15 @@ def main():
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     spawn_setup.check_launch(args, gpus)
 
-    # AMP 4. fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, many times
-    #        slower than fp32, and only some compute bf16 natively (the Trainer says when it is
-    #        emulated). Refuse what a process's device cannot run before any process starts.
+    # [amp] fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, many times
+    #    slower than fp32, and only some compute bf16 natively (the Trainer says when it is
+    #    emulated). Refuse what a process's device cannot run before any process starts.
     if args.precision is None:
         args.precision = "fp16" if gpus else "bf16"
     for local_rank in range(args.nprocs):
         machine.check_precision(args.precision, machine.resolve_device(args.device, local_rank, args.backend == "gloo"))
 
-    # 2. Start the processes and wait for them. spawn (not fork) gives each a fresh interpreter, as
+    # [spawn] Start the processes and wait for them. spawn (not fork) gives each a fresh interpreter, as
     #    CUDA requires. If one fails, the others are stopped, as torchrun would; the same on Ctrl-C.
     first_failure = mp.get_context("spawn").Value("i", -1)
     processes = mp.start_processes(worker, args=(args, first_failure), nprocs=args.nprocs, join=False)
@@ -101,7 +101,7 @@ def main():
 
 def worker(local_rank, args, first_failure):
     """The body of every process; spawn calls it with the process's index on this machine."""
-    # 3. The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
+    # [ranks] The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
     #    torchrun would have put them in the environment; here the script computes them.
     rank = args.node_rank * args.nprocs + local_rank
@@ -115,7 +115,7 @@ def train(args, rank, local_rank, first_failure):
     world_size = args.nnodes * args.nprocs
     device = machine.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
 
-    # 4. Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
+    # [group] Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(machine.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
@@ -126,11 +126,11 @@ def train(args, rank, local_rank, first_failure):
         model.to(device)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
             model.compile(dynamic=True)
-        # 5. DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
+        # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
         #    gradients during backward(), overlapping the communication with the computation.
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-        # 6. Each process reads a different 1/world_size of every global batch, so the global batch
+        # [data] Each process reads a different 1/world_size of every global batch, so the global batch
         #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
@@ -140,14 +140,14 @@ def train(args, rank, local_rank, first_failure):
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
     except Exception:
-        # 7. Note the first rank to fail before leaving the group, which makes the others fail too:
+        # [failure] Note the first rank to fail before leaving the group, which makes the others fail too:
         #    the parent then names the cause, not a rank that only lost its peer.
         with first_failure.get_lock():
             if first_failure.value < 0:
                 first_failure.value = rank
         raise
     finally:
-        # 8. Leave the group on every exit path, failures included, so no process is left waiting.
+        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()
 
 

@@ -119,7 +119,7 @@ def main():
     args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
-    # 1. The global rank decides who prints and saves; the local rank decides which GPU this
+    # [ranks] The global rank decides who prints and saves; the local rank decides which GPU this
     #    process uses.
     rank, world_size, local_rank, local_world_size = cli.launch_environment(
         "torchrun --nproc_per_node N multi-gpu-fsdp-cls.py")
@@ -128,7 +128,7 @@ def main():
     if args.offload and device.type == "cpu":
         raise cli.UserError("--offload moves the shards from GPU to CPU memory: on CPU they are there already")
 
-    # 2. Pin the GPU before joining the group. The device mesh is the group FSDP shards over: here
+    # [group] Pin the GPU before joining the group. The device mesh is the group FSDP shards over: here
     #    all processes, in one dimension (a 2-D mesh would add replication across machines, HSDP).
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -142,7 +142,7 @@ def main():
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
             model.compile(dynamic=True)
 
-        # 3. Mixed precision is FSDP's own: it gathers the weights in 16 bits to compute, and keeps
+        # [precision] Mixed precision is FSDP's own: it gathers the weights in 16 bits to compute, and keeps
         #    the shards, the optimizer and the gradient reductions in fp32 (no autocast needed).
         #    The --offload shards live in CPU memory and the optimizer steps there.
         policies = dict(mesh=mesh, reshard_after_forward=args.reshard_after_forward,
@@ -150,7 +150,7 @@ def main():
                                                        reduce_dtype=torch.float32),
                         offload_policy=CPUOffloadPolicy() if args.offload else OffloadPolicy())
 
-        # 4. Shard each encoder layer as a unit of its own: its weights are gathered (all-gather)
+        # [wrap] Shard each encoder layer as a unit of its own: its weights are gathered (all-gather)
         #    just before its forward and freed after, so a process holds at most one whole layer
         #    beyond its shards, and gathering the next layer overlaps computing this one. The
         #    layers first, the root last: the root takes what is left (embeddings, pooler and
@@ -161,21 +161,21 @@ def main():
             fully_shard(layer, **policies)
         fully_shard(model, **policies)
 
-        # 5. Each process reads a different 1/world_size of every global batch, as with DDP.
+        # [data] Each process reads a different 1/world_size of every global batch, as with DDP.
         train_loader = common.make_loader(train_set, args, tokenizer,
                                           common.train_sampler(train_set, args, world_size, rank))
         dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
 
-        # 6. The optimizer after sharding: it must hold the shards (DTensors), so that each process
+        # [optimizer] The optimizer after sharding: it must hold the shards (DTensors), so that each process
         #    keeps and steps the Adam moments of its own 1/N only.
         optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
-        # 7. backward() reduce-scatters each layer's gradients as soon as they are computed,
+        # [backward] backward() reduce-scatters each layer's gradients as soon as they are computed,
         #    averaged over the processes, overlapping the communication with the layers below.
         trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
         trainer.fit()
     finally:
-        # 8. Leave the group on every exit path, failures included, so no process is left waiting.
+        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()
 
 

@@ -75,7 +75,7 @@ def main():
     args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
-    # 1. Join the job horovodrun started. The global rank decides who prints and saves; the local
+    # [ranks] Join the job horovodrun started. The global rank decides who prints and saves; the local
     #    rank (the process's index on its machine) decides which GPU it uses.
     cli.use_slurm_for_horovod()  # one srun task per process (slurm/horovod.sbatch): ranks from Slurm
     hvd.init()
@@ -89,11 +89,11 @@ def main():
     model.to(device)
     if args.compile:  # in place, so the weights keep their names; dynamic: one graph for every batch length
         model.compile(dynamic=True)
-    # 2. Horovod does not wrap the model, so nothing else makes the copies start equal: send rank 0's
+    # [wrap] Horovod does not wrap the model, so nothing else makes the copies start equal: send rank 0's
     #    weights to every process (the seed already agrees here; the broadcast makes it certain).
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
-    # 3. Each process reads a different 1/size of every global batch, so the global batch is
+    # [data] Each process reads a different 1/size of every global batch, so the global batch is
     #    batch size x processes. The learning rate is NOT multiplied by the process count (Horovod's
     #    examples do that): the same global batch then takes the same step as DDP and one device.
     train_loader = common.make_loader(train_set, args, tokenizer,
@@ -102,7 +102,7 @@ def main():
                                     common.eval_sampler(dev_set, args, hvd.size(), hvd.rank()))
     optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
-    # 4. The DistributedOptimizer hooks every named parameter and averages its gradient across
+    # [optimizer] The DistributedOptimizer hooks every named parameter and averages its gradient across
     #    processes during backward(). fp16 compression halves the bytes sent but rounds each gradient.
     #    With --grad-accum N, backward_passes_per_step=N all-reduces a gradient only at its N-th
     #    backward, once per optimizer step; a step of fewer micro-batches (the last of an epoch)
@@ -112,9 +112,9 @@ def main():
                                          compression=compression, op=hvd.Average,
                                          backward_passes_per_step=args.grad_accum)
 
-    # 5. Give every process rank 0's optimizer. Fresh, it holds only its settings (learning rate,
-    #    betas, weight decay), which every process has built alike from the command line: as in step
-    #    2, the broadcast makes it certain. (--resume then has every process load the same checkpoint
+    # [optimizer] Give every process rank 0's optimizer. Fresh, it holds only its settings (learning rate,
+    #    betas, weight decay), which every process has built alike from the command line: as with
+    #    the weights, the broadcast makes it certain. (--resume then has every process load the same checkpoint
     #    file, weights and Adam moments, after checking that each one can read it.) Not with
     #    hvd.broadcast_optimizer_state: on a fresh optimizer it first runs a step on zero gradients,
     #    which for AdamW decays the weights once and makes the first real update about a quarter smaller.

@@ -14,7 +14,7 @@ def main():
     args = cli.check_args(cli.build_parser(__file__, __doc__).parse_args())
     common.set_seed(args.seed)
 
-    # 1. One process on one device: no ranks, nothing to synchronise.
+    # [device] One process on one device: no ranks, nothing to synchronise.
     device = machine.resolve_device(args.device)
     strategy = common.Strategy(device)
 
@@ -27,7 +27,7 @@ def main():
     dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
     optimizer = models.make_optimizer(model, lr, args.weight_decay)
 
-    # 2. With --grad-accum N the Trainer runs N micro-batches through forward and backward, whose
+    # [grad-accum] With --grad-accum N the Trainer runs N micro-batches through forward and backward, whose
     #    gradients add up in each parameter's .grad, then steps once: a batch N times larger than
     #    the device holds, for N times the compute per step.
     trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)

@@ -167,11 +167,15 @@ def build_parser(script_file, description):
     return parser
 
 
-def add_distributed_args(parser, backend=False):
+def add_distributed_args(parser, backend=False, local_rank=False):
     """Options of the scripts that run several processes; `backend` for the DDP scripts, whose gloo
-    all-reduce works on GPU tensors too."""
+    all-reduce works on GPU tensors too; `local_rank` for those the legacy torch.distributed.launch
+    or the deepspeed launcher start, which pass --local-rank (older releases --local_rank). Both also
+    set LOCAL_RANK, which is what the scripts read: the flag only tells which launcher ran."""
     parser.add_argument("--dist-timeout", type=float, default=300,
                         help="seconds a collective call may wait for the other processes before failing")
+    if local_rank:
+        parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     if backend:
         parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                             help="auto = nccl between GPUs, gloo between CPU processes; gloo also lets more "

@@ -1,6 +1,6 @@
 """The helpers of the spawn scripts (multi-gpu-distributed-mp-cls.py and its AMP variant) that are not
 the lesson: torchrun's options and checks, a free rendezvous port, and stopping the processes as
-torchrun would. free_port also serves benchmark.py and the tests, which import this module without
+torchrun would. free_port also serves benchmark.py, which imports this module without
 torch: torch is imported where it is used."""
 import socket
 import time
