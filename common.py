@@ -291,8 +291,8 @@ class Trainer(Run):
         checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
         # Callbacks beside the loop, called at its named points: the counts, the model state and the
-        # throughput always, any that SUITE_CALLBACKS names, the step profile with --profile, and a checkpoint when
-        # a scheduler signals with --save-on-signal.
+        # throughput always, any that SUITE_CALLBACKS names, the step profile with --profile, and a
+        # checkpoint when a scheduler signals with --save-on-signal.
         self.progress = measure.Progress(self, first_step)
         self.callbacks = [self.progress, measure.ModelStateCount(self.strategy, self.model, self.optimizer),
                           measure.Throughput(self), *measure.extra_callbacks(self)]
