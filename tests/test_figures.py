@@ -280,7 +280,7 @@ def test_the_gpu_page_quotes_the_committed_h100_run():
     """docs/gpu.md's figures of the one-H100 run at real size: steps, first steps, MFU and the peak."""
     run = json.loads((ROOT / "docs" / "results" / "1x-nvidia-h100-80gb-hbm3-base-shape" / "benchmark.json").read_text())
     gpu_rows = {row["row"]: row for row in run["rows"]}
-    page = words(section((ROOT / "docs" / "gpu.md").read_text(encoding="utf-8"), "## The first GPU run"))
+    page = words(section((ROOT / "docs" / "gpu.md").read_text(encoding="utf-8"), "## One H100 at real size"))
 
     def ms(row):
         return round(gpu_rows[row]["steady_step_seconds"] * 1000)
