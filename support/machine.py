@@ -19,10 +19,14 @@ GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE", "CUD
 
 def given_gpus():
     """'NAME=VALUE' of the first variable that gives this process GPUs, or None. An empty
-    CUDA_VISIBLE_DEVICES (or -1) hides the GPUs: none given."""
+    CUDA_VISIBLE_DEVICES (or -1) hides the GPUs: none given. So does the list of local process ids
+    that DeepSpeed's launcher writes there even where it saw no GPU (its processes alone have
+    CROSS_RANK and LOCAL_SIZE): `deepspeed --num_gpus 2` on a CPU machine."""
     for name in GPU_VARIABLES:
         value = os.environ.get(name, "").strip()
-        none = value in ("", "-1", "NoDevFiles") or (name == "SLURM_GPUS_ON_NODE" and value == "0")
+        none = value in ("", "-1", "NoDevFiles") or (name == "SLURM_GPUS_ON_NODE" and value == "0") or (
+            name == "CUDA_VISIBLE_DEVICES" and "CROSS_RANK" in os.environ
+            and value == ",".join(map(str, range(int(os.environ.get("LOCAL_SIZE") or 0)))))
         if not none:
             return f"{name}={value}"
     return None

@@ -162,6 +162,27 @@ def test_nccl_asked_for_between_cpu_processes_gets_one_line():
     assert_clean_error(process, "--backend nccl needs GPUs")
 
 
+def test_the_deepspeed_launchers_process_ids_give_no_gpu(monkeypatch):
+    """`deepspeed --num_gpus 2` on a CPU machine sets CUDA_VISIBLE_DEVICES=0,1 (its local process ids)
+    beside CROSS_RANK and LOCAL_SIZE: the script trains on the CPU, as ./run.sh's deepspeed row does.
+    The same list set by anyone else still gives GPUs that torch cannot see."""
+    import torch
+    from support import cli
+    from support import machine
+    for name in [*machine.GPU_VARIABLES, "SLURM_JOB_ID", "CROSS_RANK", "LOCAL_SIZE"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(cli.UserError, match="^CUDA_VISIBLE_DEVICES=0,1 gives this process GPUs"):
+        machine.resolve_device("auto", 1)
+    monkeypatch.setenv("CROSS_RANK", "0")
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    assert machine.resolve_device("auto", 1) == torch.device("cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # not the launcher's list
+    with pytest.raises(cli.UserError, match="^CUDA_VISIBLE_DEVICES=2,3 gives this process GPUs"):
+        machine.resolve_device("auto", 1)
+
+
 def test_more_processes_than_gpus_share_them_only_over_gloo(monkeypatch):
     """Checked in this process, with torch told it sees 2 GPUs: local rank 2 has none of its own."""
     import torch
