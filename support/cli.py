@@ -221,7 +221,8 @@ def check_args(args):
     for name in ("epochs", "batch_size", "grad_accum", "log_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if current_rank() == 0 and getattr(args, "node_rank", 0) == 0:  # the process that writes the results
+    writes = getattr(args, "estimate_memory", None) is None  # DeepSpeed's estimate only prints a table
+    if writes and current_rank() == 0 and getattr(args, "node_rank", 0) == 0:  # the process that writes the results
         claim_output_dir(Path(args.output_dir))
     return args
 
