@@ -11,6 +11,7 @@
     python benchmark.py --profile 5                      # where a step's time goes, phase by phase
     python benchmark.py --max-samples 2000 --lr 5e-4     # options it does not know go to every script
     python benchmark.py --real-size                      # the real model's architecture, a few steps per row
+    sbatch slurm/benchmark.sbatch --nnodes 1,2           # on a Slurm cluster: each row across the job's nodes
 
 Each strategy trains with the same model, data, seed, learning rate, epochs and batch per device
 (per process; DataParallel's one process gets it times its GPUs), so the global batch grows with
@@ -126,9 +127,10 @@ def launch_accelerate(script, n, gpus):
 
 
 def launch_fabric(script, n, gpus):
-    # fabric run is torchrun underneath; it passes the accelerator and device count to Fabric().
+    # fabric run is torchrun underneath; it passes the accelerator and device count to Fabric(). It reads
+    # its own options after the script too (its --precision is not the script's): `--` ends them.
     return [executable("fabric"), "run", "--accelerator", "cuda" if gpus else "cpu", "--devices", str(n),
-            "--main-port", free_port(), script]
+            "--main-port", free_port(), script, "--"]
 
 
 @dataclass(frozen=True)
@@ -230,16 +232,53 @@ def library_missing(entry):
     return bool(entry.needs) and importlib.util.find_spec(entry.needs) is None
 
 
-def why_not_ready(entry, command):
-    """The reason `entry` cannot be launched at all, or None."""
+def why_not_ready(entry, launcher):
+    """The reason `entry` cannot be launched at all with the file `launcher`, or None."""
     if not (ROOT / entry.script).is_file():
         return f"script {entry.script} not found"
     if library_missing(entry):
         return f"needs the Python module {entry.needs}, which is not installed (scripts/setup-env.sh installs it)"
-    launcher = ROOT / command[0]
-    if not launcher.exists():
-        return f"launcher {command[0]} not found"
+    if not (ROOT / launcher).exists():
+        return f"launcher {launcher} not found"
     return None
+
+
+# ----------------------------------------------------------------------------- across nodes
+
+# In a Slurm job of several nodes (slurm/benchmark.sbatch), each distributed row runs the batch file of
+# slurm/ that runs its launcher across nodes, as if submitted alone: the same checks, the same launch
+# line. The second field: the batch file starts one Slurm task per process (srun is the launcher), not
+# one per node (a launcher that starts its node's processes).
+BATCH_FILES = {"torchrun": ("slurm/torchrun.sbatch", False), "python (mp.spawn)": ("slurm/spawn.sbatch", False),
+               "horovodrun": ("slurm/horovod.sbatch", True), "deepspeed": ("slurm/deepspeed.sbatch", False),
+               "accelerate launch": ("slurm/accelerate.sbatch", False), "fabric run": ("slurm/fabric.sbatch", False)}
+# One process on one machine: no launcher spans nodes. (single runs too, on the job's first node: the
+# reference every row's speed-up is measured against.)
+CANNOT_SPAN_NODES = {"dataparallel": "nn.DataParallel is one process driving the GPUs of one machine: it cannot "
+                                     "run across nodes"}
+
+
+def job_hosts(nnodes_option):
+    """This Slurm job's nodes, the first (where the batch script runs) first."""
+    if "SLURM_JOB_NODELIST" not in os.environ:
+        raise cli.UserError(f"--nnodes {nnodes_option} runs each row across the nodes of a Slurm job: submit "
+                            "slurm/benchmark.sbatch")
+    listed = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
+                            text=True, check=True)
+    return listed.stdout.split()
+
+
+def launch_across_nodes(entry, nnodes, nprocs, run_dir, hosts):
+    """The batch file that runs `entry` over the first `nnodes` nodes of this job, and its environment:
+    the job's shape as sbatch would have set it for a job of those nodes alone (srun takes its node and
+    task counts from these variables), the script and a new free port (this node hosts the rendezvous)."""
+    batch_file, task_per_process = BATCH_FILES[entry.launcher]
+    tasks = nnodes * (nprocs if task_per_process else 1)
+    return ["bash", batch_file], {
+        "SCRIPT": entry.script, "GPUS_PER_NODE": str(nprocs), "OUTPUT_DIR": relative(run_dir),
+        "MASTER_PORT": free_port(), "SLURM_JOB_NODELIST": ",".join(hosts[:nnodes]),
+        "SLURM_NNODES": str(nnodes), "SLURM_JOB_NUM_NODES": str(nnodes),
+        "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks), "SLURM_NTASKS_PER_NODE": str(tasks // nnodes)}
 
 
 # ----------------------------------------------------------------------------- command line
@@ -262,6 +301,10 @@ def parse_args(argv, gpus):
     parser.add_argument("--nprocs", default=str(gpus or 2),
                         help="processes (GPUs) per distributed row; a list like 1,2,4 runs a scaling sweep "
                              "(default: all GPUs, or 2 without GPU: %(default)s here)")
+    parser.add_argument("--nnodes",
+                        help="in a Slurm job (slurm/benchmark.sbatch): nodes per distributed row, each row run by its "
+                             "batch file of slurm/ with --nprocs processes on each node; a list like 1,2 sweeps "
+                             "(default: this machine alone)")
     parser.add_argument("--model",
                         help="as the scripts' --model, resolved once here and passed to all (default: auto on a "
                              "machine with GPUs; tiny without, where the real model would take hours)")
@@ -307,6 +350,11 @@ def parse_args(argv, gpus):
     if gpus and max(args.counts) > gpus and "cpu" not in passthrough:  # one GPU per process: say so before any launch
         raise cli.UserError(f"--nprocs {args.nprocs}: this machine has {gpus} GPU(s) and each process takes one; "
                             "hide them to run CPU processes: CUDA_VISIBLE_DEVICES= ./run.sh --device cpu")
+    if args.node_counts:
+        args.hosts = job_hosts(args.nnodes)
+        if max(args.node_counts) > len(args.hosts):
+            raise cli.UserError(f"--nnodes {args.nnodes}: this Slurm job has {len(args.hosts)} node(s); ask sbatch "
+                                "for more with --nodes")
     return args
 
 
@@ -341,13 +389,13 @@ def parse_strategy_args(values):
     return chosen
 
 
-def parse_counts(value):
+def parse_counts(value, option="--nprocs", what="process"):
     try:
         counts = [int(part) for part in value.split(",") if part.strip()]
     except ValueError:
         counts = []
     if not counts or any(count < 1 for count in counts) or len(set(counts)) != len(counts):
-        raise cli.UserError(f"--nprocs takes process counts of at least 1, like 2 or 1,2,4; got {value!r}")
+        raise cli.UserError(f"{option} takes {what} counts of at least 1, like 2 or 1,2,4; got {value!r}")
     return sorted(counts)
 
 
@@ -372,6 +420,7 @@ def check_args(args, passthrough, default_nprocs):
     if args.timeout <= 0:
         raise cli.UserError(f"--timeout must be positive, got {args.timeout:g}")
     args.counts = parse_counts(args.nprocs)
+    args.node_counts = parse_counts(args.nnodes, "--nnodes", "node") if args.nnodes else None
     own = [parse_variant(value) for value in args.variant]
     args.variants = {variant.name: variant for variant in BUILT_IN_VARIANTS + own}
     args.strategy_options = parse_strategy_args(args.strategy_args)
@@ -385,14 +434,20 @@ def check_args(args, passthrough, default_nprocs):
         if args.batch_size:
             raise cli.UserError("--global-batch sets each script's --batch-size: pass one or the other")
         micro = args.grad_accum or 1
-        uneven = [count for count in args.counts if args.global_batch % (count * micro)]
+        uneven = [count for count in world_sizes(args) if args.global_batch % (count * micro)]
         if uneven:
             raise cli.UserError(f"--global-batch {args.global_batch} does not split evenly over "
-                                f"{' and '.join(map(str, uneven))} processes (--nprocs {args.nprocs})"
+                                f"{' and '.join(map(str, uneven))} processes (--nprocs {args.nprocs}"
+                                + (f" x --nnodes {args.nnodes})" if args.node_counts else ")")
                                 + (f" x {micro} micro-batches" if micro > 1 else ""))
     args.passthrough = passthrough
     args.output_dir = Path(args.output_dir).resolve()
     return args
+
+
+def world_sizes(args):
+    """The process counts of the distributed rows: --nprocs on each of --nnodes nodes."""
+    return sorted({nnodes * nprocs for nnodes in args.node_counts or [1] for nprocs in args.counts})
 
 
 def apply_real_size(args, default_nprocs):
@@ -460,20 +515,22 @@ def script_options(args, variant, run_dir, model, gpus, nprocs):
 
 
 def plan(args, gpus):
-    """The cells to run: each row at each process count (rows that do not depend on it, once)."""
+    """The cells to run: each row at each node and process count (rows that depend on neither, once)."""
     cells = []
     for variant in args.rows:
         entry = STRATEGIES[variant.strategy]
         counts = args.counts if entry.distributed else [1 if entry.name == "single" else args.counts[-1]]
         if args.real_size and variant.name in REAL_SIZE_SHARDED_ROWS:
             counts = REAL_SIZE_SHARDED_COUNTS
-        for nprocs in counts:
-            sweep = entry.distributed and len(counts) > 1
-            name = f"{variant.name}-n{nprocs}" if sweep else variant.name
-            cells.append({"row": name, "variant": variant.name, "strategy": entry.name, "script": entry.script,
-                          "launcher": entry.launcher, "nprocs": nprocs, "options": list(variant.options),
-                          "log": relative(args.output_dir / f"{name}.log"), "status": "pending", "reason": None,
-                          "runs": []})
+        node_counts = args.node_counts if args.node_counts and entry.distributed else [1]
+        for nnodes in node_counts:
+            for nprocs in counts:
+                name = (variant.name + (f"-nodes{nnodes}" if len(node_counts) > 1 else "")
+                        + (f"-n{nprocs}" if entry.distributed and len(counts) > 1 else ""))
+                cells.append({"row": name, "variant": variant.name, "strategy": entry.name, "script": entry.script,
+                              "launcher": entry.launcher, "nnodes": nnodes, "nprocs": nprocs,
+                              "options": list(variant.options), "log": relative(args.output_dir / f"{name}.log"),
+                              "status": "pending", "reason": None, "runs": []})
     return cells
 
 
@@ -663,23 +720,31 @@ def launch_cell(args, cell, model, gpus):
     variant, entry = args.variants[cell["variant"]], STRATEGIES[cell["strategy"]]
     run_dir, log_path = args.output_dir / cell["row"], args.output_dir / f"{cell['row']}.log"
     # Each launch gets a new free port.
-    command = entry.launch(entry.script, cell["nprocs"], gpus) + script_options(args, variant, run_dir, model, gpus,
-                                                                              cell["nprocs"])
-    cell["command"] = shlex.join(command)
-    reason = why_not_ready(entry, command) or not_runnable(variant, gpus)
+    if args.node_counts and entry.launcher in BATCH_FILES:
+        launcher, env = launch_across_nodes(entry, cell["nnodes"], cell["nprocs"], run_dir, args.hosts)
+        launcher_file = launcher[1]  # bash's batch file
+    else:
+        launcher, env = entry.launch(entry.script, cell["nprocs"], gpus), {}
+        launcher_file = launcher[0]
+    command = launcher + script_options(args, variant, run_dir, model, gpus, cell["nnodes"] * cell["nprocs"])
+    cell["command"] = shlex.join([f"{name}={value}" for name, value in env.items()] + command)
+    reason = (why_not_ready(entry, launcher_file) or not_runnable(variant, gpus)
+              or (args.node_counts and CANNOT_SPAN_NODES.get(entry.name)))
     if reason:
-        log_path.write_text(f"$ {shlex.join(command)}\nnot launched: {reason}\n", encoding="utf-8")
-        # An optional library left out is the set-up's news (its warning said why), not this run's failure.
-        status = "not run" if library_missing(entry) and (ROOT / entry.script).is_file() else "skipped"
+        log_path.write_text(f"$ {cell['command']}\nnot launched: {reason}\n", encoding="utf-8")
+        # An optional library left out is the set-up's news (its warning said why), not this run's failure;
+        # nor is a row that cannot span nodes.
+        cannot = library_missing(entry) or (args.node_counts and entry.name in CANNOT_SPAN_NODES)
+        status = "not run" if cannot and (ROOT / entry.script).is_file() else "skipped"
         cell.update(status=status, reason=reason)
         return f"{status}: {reason}"
-    result, wall, reason = launch_once(command, run_dir, log_path, args.timeout)
+    result, wall, reason = launch_once(command, env, cell["command"], run_dir, log_path, args.timeout)
     if reason:
         cell.update(status="failed", reason=reason, wall_seconds=round(wall, 2))
         return f"FAILED after {wall:.0f} s: {reason} (log: {relative(log_path)})"
     if args.repeat > 1:
         files.write_json(run_dir / f"result-{len(cell['runs']) + 1}.json", result)
-    cell["runs"].append({**result, "wall_seconds": round(wall, 2), "launch_command": shlex.join(command)})
+    cell["runs"].append({**result, "wall_seconds": round(wall, 2), "launch_command": cell["command"]})
     cell["status"] = "ok"
     return (f"ok, {result['train_seconds']:.1f} s training, {wall:.1f} s wall, "
             f"dev accuracy {result['dev_accuracy']:.4f}")
@@ -733,15 +798,16 @@ def failure_reason(log_path):
     return lines[-1] if lines else "no output"
 
 
-def launch_once(command, run_dir, log_path, timeout):
-    """Run one launch to its end; returns (result dict or None, wall seconds, reason of a failure)."""
+def launch_once(command, env, shown, run_dir, log_path, timeout):
+    """Run one launch (`command` with the variables `env`, `shown` as a shell line) to its end; returns
+    (result dict or None, wall seconds, reason of a failure)."""
     result_file = run_dir / "result.json"
     result_file.unlink(missing_ok=True)  # a failed launch must never report an earlier run's result
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     started = time.time()
     start = time.perf_counter()
     with open(log_path, "a", encoding="utf-8") as log:
-        log.write(f"$ {shlex.join(command)}\n")
+        log.write(f"$ {shown}\n")
         log.flush()
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
@@ -826,11 +892,11 @@ def add_figures(report):
     single = next((row for row in rows if row["strategy"] == "single"), None)
     for row in rows:
         row["speedup"] = round(row["samples_per_second"] / single["samples_per_second"], 3) if single else None
-        one = next((other for other in rows if other["variant"] == row["variant"] and other["nprocs"] == 1
+        one = next((other for other in rows if other["variant"] == row["variant"] and other["processes"] == 1
                     and STRATEGIES[other["strategy"]].distributed), None)
         if one and STRATEGIES[row["strategy"]].distributed:
             row["speedup_vs_1_process"] = round(row["samples_per_second"] / one["samples_per_second"], 3)
-            row["scaling_efficiency"] = round(row["speedup_vs_1_process"] / row["nprocs"], 3)
+            row["scaling_efficiency"] = round(row["speedup_vs_1_process"] / row["processes"], 3)
     spreads = [row["relative_spread"] for row in rows if row["relative_spread"] is not None]
     report["noise_floor"] = max(spreads) if spreads else None
     floor = report["noise_floor"]
@@ -963,8 +1029,9 @@ def main():
     cells = plan(args, gpus)
     if args.real_size:
         announce_real_size(args, cells)
-    # The distributed rows' process counts (--real-size adds 4 for the sharded rows).
-    counts = {cell["nprocs"] for cell in cells if STRATEGIES[cell["strategy"]].distributed} or set(args.counts)
+    # The distributed rows' process counts (--real-size adds 4 for the sharded rows; --nnodes multiplies).
+    counts = ({cell["nnodes"] * cell["nprocs"] for cell in cells if STRATEGIES[cell["strategy"]].distributed}
+              or set(args.counts))
     report = {
         "machine": describe_machine(),
         "versions": library_versions(),
@@ -972,6 +1039,7 @@ def main():
         "model": relative(model) if Path(model).is_dir() else model,
         "model_note": model_note,
         "nprocs": args.nprocs,
+        "nnodes": args.nnodes,
         "counts": sorted(counts),
         "max_steps": args.max_steps,
         "repeat": args.repeat,

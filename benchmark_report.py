@@ -150,7 +150,8 @@ def header_lines(report):
     precision = (f"--precision {report['precision']} where a strategy offers it, else fp32" if report["precision"]
                  else "fp32 except ddp-amp")
     stop = f"--max-steps {report['max_steps']} then the whole dev set, " if report.get("max_steps") else ""
-    lines.append(f"runs: {data}{stop}{batch}, {precision}, --nprocs {report['nprocs']}, "
+    nodes = f" on each of --nnodes {report['nnodes']} Slurm nodes" if report.get("nnodes") else ""
+    lines.append(f"runs: {data}{stop}{batch}, {precision}, --nprocs {report['nprocs']}{nodes}, "
                  f"{report['repeat']} launch(es) per row" +
                  (", interleaved; median run shown, min-max in brackets" if report["repeat"] > 1 else "") +
                  f", finished {report['finished']}")
@@ -370,7 +371,7 @@ def scaling_chart(axis, report):
     counts = report["counts"]
     axis.plot([1, counts[-1]], [1, counts[-1]], color="gray", linestyle="--", label="ideal")
     for variant in dict.fromkeys(row["variant"] for row in scaling_rows(report)):
-        points = sorted((row["nprocs"], row["speedup_vs_1_process"]) for row in scaling_rows(report)
+        points = sorted((row["processes"], row["speedup_vs_1_process"]) for row in scaling_rows(report)
                         if row["variant"] == variant)
         axis.plot(*zip(*points), marker="o", label=variant)
     kind = "strong scaling: global batch fixed" if report["global_batch"] else "weak scaling: batch per process fixed"

@@ -91,7 +91,8 @@ def test_in_a_sweep_single_runs_once_and_speedups_are_over_it():
     assert [cell["row"] for cell in benchmark.plan(args, gpus=0)] == ["single", "ddp-n1", "ddp-n2"]
 
     def row(name, strategy, nprocs, samples_per_second):
-        return {"row": name, "variant": strategy, "strategy": strategy, "nprocs": nprocs, "status": "ok",
+        return {"row": name, "variant": strategy, "strategy": strategy, "nprocs": nprocs, "processes": nprocs,
+                "status": "ok",
                 "samples_per_second": samples_per_second, "relative_spread": None}
     report = {"rows": [row("single", "single", 1, 100.0), row("ddp-n1", "ddp", 1, 90.0),
                        row("ddp-n2", "ddp", 2, 150.0)]}
@@ -170,6 +171,8 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--real-size", "--model", "tiny"], "error: --real-size trains --model base-shape, not tiny"),
     (["--real-size", "--nprocs", "3"], "error: --real-size runs 2 processes per row, and 4 for the sharded ones"),
     (["--max-steps", "0"], "error: --max-steps must be at least 1, got 0"),
+    (["--nnodes", "1,0"], "error: --nnodes takes node counts of at least 1"),
+    (["--nnodes", "2"], "error: --nnodes 2 runs each row across the nodes of a Slurm job: submit slurm/benchmark.sbatch"),
 ])
 def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
     process = run_in_process(["benchmark.py", *options, "--output-dir", str(tmp_path)], env=CPU_ONLY)
@@ -241,6 +244,34 @@ def test_every_launch_line_and_the_options_each_row_gets():
     assert "--offload" not in options_for("ddp", strategy_options=chosen)
 
 
+def test_across_nodes_each_row_runs_its_batch_file_on_the_first_nodes_of_the_job(monkeypatch):
+    """slurm/benchmark.sbatch on 2 nodes with --nnodes 1,2: a row's batch file sees a job of that many
+    nodes, one task per node for a launcher per node, one per process for Horovod's srun (the whole
+    comparison runs on tests/test_several_machines.py's cluster)."""
+    monkeypatch.setattr(benchmark, "job_hosts", lambda option: ["gpu07", "gpu08"])
+    args = benchmark.parse_args(["--only", "single,dataparallel,ddp", "--nnodes", "1,2", "--nprocs", "4"], gpus=0)
+    assert [cell["row"] for cell in benchmark.plan(args, gpus=0)] == [
+        "single", "dataparallel", "ddp-nodes1", "ddp-nodes2"]
+    assert set(benchmark.BATCH_FILES) == {entry.launcher for entry in benchmark.STRATEGIES.values()
+                                          if entry.distributed}
+    command, env = benchmark.launch_across_nodes(benchmark.STRATEGIES["horovod"], 1, 4, benchmark.ROOT / "out",
+                                                 args.hosts)
+    assert command == ["bash", "slurm/horovod.sbatch"] and env["SCRIPT"] == "multi-gpu-horovod-cls.py"
+    assert [env[name] for name in ("SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
+                                   "GPUS_PER_NODE", "OUTPUT_DIR")] == ["gpu07", "1", "4", "4", "4", "out"]
+    command, env = benchmark.launch_across_nodes(benchmark.STRATEGIES["fsdp"], 2, 4, benchmark.ROOT / "out",
+                                                 args.hosts)
+    assert command == ["bash", "slurm/torchrun.sbatch"] and env["SCRIPT"] == "multi-gpu-fsdp-cls.py"
+    assert [env[name] for name in ("SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")] == [
+        "gpu07,gpu08", "2", "2", "1"]
+    # The global batch is shared by every process of every node: 36 splits over 4, not over 2 x 4.
+    with pytest.raises(cli.UserError, match=r"--global-batch 36 does not split evenly over 8 processes \(--nprocs 4 "
+                                            r"x --nnodes 1,2\)"):
+        benchmark.parse_args(["--nnodes", "1,2", "--nprocs", "4", "--global-batch", "36"], gpus=0)
+    with pytest.raises(cli.UserError, match="--nnodes 3: this Slurm job has 2 node"):
+        benchmark.parse_args(["--nnodes", "3"], gpus=0)
+
+
 def test_a_launcher_not_beside_the_python_is_taken_from_the_path(tmp_path, monkeypatch):
     """A venv keeps its launchers beside its Python; a system Python, or wheels installed with --target
     (scripts/gpu-check.sh --wheels), put them on the PATH."""
@@ -277,7 +308,7 @@ def test_more_processes_than_cores_are_said_to_prove_the_mechanics_not_the_speed
 def test_a_speedup_within_the_noise_floor_of_another_is_marked():
     def row(name, samples_per_second, seconds):
         return {"row": name, "variant": name, "strategy": "ddp" if name != "single" else "single", "nprocs": 2,
-                "status": "ok", "runs": [{}] * len(seconds), "samples_per_second": samples_per_second,
+                "processes": 2, "status": "ok", "runs": [{}] * len(seconds), "samples_per_second": samples_per_second,
                 "relative_spread": round((max(seconds) - min(seconds)) / sorted(seconds)[0], 4)}
     report = {"rows": [row("single", 100.0, [10.0, 10.5]), row("a", 120.0, [8.0, 8.2]), row("b", 124.0, [8.1, 8.3])]}
     benchmark.add_figures(report)
@@ -290,10 +321,10 @@ def test_a_speedup_within_the_noise_floor_of_another_is_marked():
 
 def test_missing_script_or_dependency_is_a_reason_not_a_crash(tmp_path):
     missing_script = benchmark.Entry("x", "no-such-script.py", "python", benchmark.launch_single)
-    assert benchmark.why_not_ready(missing_script, ["python"]) == "script no-such-script.py not found"
+    assert benchmark.why_not_ready(missing_script, "python") == "script no-such-script.py not found"
     missing_module = benchmark.Entry("x", "single-gpu-cls.py", "python", benchmark.launch_single,
                                      needs="no_such_module_here")
-    assert "needs the Python module no_such_module_here" in benchmark.why_not_ready(missing_module, ["python"])
+    assert "needs the Python module no_such_module_here" in benchmark.why_not_ready(missing_module, "python")
 
     log = tmp_path / "x.log"
     log.write_text("$ horovodrun ...\n[1]<stderr>:error: rank 1 failed: RuntimeError: boom\n"
@@ -313,7 +344,7 @@ def test_a_row_whose_optional_library_is_missing_is_not_run_and_does_not_fail_th
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "horovod"
                         else find_spec(name, *rest))
-    monkeypatch.setattr(benchmark, "launch_once", lambda command, run_dir, log, timeout: (
+    monkeypatch.setattr(benchmark, "launch_once", lambda command, env, shown, run_dir, log, timeout: (
         results[run_dir.name], 1.0, None))
     monkeypatch.setattr(benchmark, "measure_matmul_peaks", lambda rows: {})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

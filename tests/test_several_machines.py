@@ -5,6 +5,7 @@ its own hostname), and plain srun of one task per process.
 What this cannot show: NCCL or InfiniBand between hosts (there is no GPU and one kernel), nor a
 filesystem that is not shared (both nodes see the host's). See docs/several-machines.md.
 """
+import json
 import os
 import signal
 import subprocess
@@ -112,19 +113,11 @@ def test_tasks_per_node_expand():
 CLUSTER = ROOT / "scripts" / "cluster.sh"
 STATE_DIR = Path("/tmp/distributed-nlp-test-cluster")  # scripts/cluster.sh's; node-local differs per node
 INTERFACE = "cluster0"  # the veth end in each node
-# 2 nodes x 1 process x batch 16: the global batch 32 of single_reference. One thread each: the two
+# 2 nodes x 1 process x batch 16: the global batch 32 of one device. One thread each: the two
 # "machines" share this one's cores.
 TRAIN = [*SMALL, *EXACT, "--batch-size", "16", "--threads", "1"]
-# DeepSpeed at ZeRO-3: the weights sharded across the two hosts (ZeRO-2 at 2 processes: the
-# accumulating run and the Trainer's through TrainingArguments).
-# srun.sbatch and torchrun.sbatch end on one device's weights in the interruption tests below.
-BATCH_FILES = {"spawn": [], "accelerate": [], "fabric": [], "horovod": [],
-               "deepspeed": ["--zero-stage", "3", "--precision", "fp32"]}
 # The strategy and launcher each batch file's result names.
-RAN_AS = {"torchrun": ("ddp", "torchrun"), "spawn": ("ddp", "spawn"), "srun": ("ddp", "srun"),
-          "accelerate": ("accelerate", "accelerate launch"), "fabric": ("fabric", "fabric run"),
-          "horovod": ("horovod", "srun"),
-          "deepspeed": ("deepspeed", "deepspeed")}
+RAN_AS = {"torchrun": ("ddp", "torchrun"), "srun": ("ddp", "srun")}
 
 
 @pytest.fixture(scope="session")
@@ -178,7 +171,7 @@ def submit(batch_file, output_dir, *script_args, env=None, log=None, wait=True):
     job_env = {**{name: value for name, value in os.environ.items() if not name.endswith("_SOCKET_IFNAME")},
                "OUTPUT_DIR": str(output_dir), "GPUS_PER_NODE": "1", "DEVICE": "cpu", **(env or {})}
     job_id = slurm("sbatch", "--parsable", "--output", str(log),
-                   *(["--ntasks-per-node=1"] if batch_file in ("srun", "horovod") else []),
+                   *(["--ntasks-per-node=1"] if batch_file in ("srun", "horovod", "benchmark") else []),
                    f"slurm/{batch_file}.sbatch", *script_args, env=job_env).strip().split(";")[0]
     job = Job(job_id, log)
     if not wait:
@@ -191,26 +184,46 @@ def error_lines(log):
     return [line for line in log.splitlines() if line.startswith("error:")]
 
 
-@pytest.mark.parametrize("batch_file", BATCH_FILES)
-def test_each_batch_file_trains_the_single_device_weights_on_two_nodes(cluster, single_reference, tmp_path,
-                                                                        batch_file):
-    output = tmp_path / "out"
-    exit_code, log = submit(batch_file, output, *TRAIN, *BATCH_FILES[batch_file])
+# benchmark.py's rows across the 2 nodes at the global batch 32 of its single row (an uneven last batch:
+# 332 samples), every mixed-precision strategy in fp32, DeepSpeed at ZeRO-3: its weights sharded
+# across the two hosts (ZeRO-2 at 2 processes: the accumulating run and the Trainer's through
+# TrainingArguments). Each row runs the batch file of its launcher: srun.sbatch and torchrun.sbatch
+# alone also end on one device's weights, in the interruption tests below.
+BENCHMARK = ["--global-batch", "32", "--precision", "fp32", "--strategy-args", "deepspeed=--zero-stage 3",
+             *SMALL, *EXACT, "--threads", "1"]
+# The strategy and launcher each row's result names; DataParallel's one process cannot span nodes.
+ROWS = {"single": ("single-device", "python"), "ddp": ("ddp", "torchrun"), "ddp-spawn": ("ddp", "spawn"),
+        "ddp-amp": ("ddp-amp", "spawn"), "horovod": ("horovod", "srun"), "deepspeed": ("deepspeed", "deepspeed"),
+        "accelerate": ("accelerate", "accelerate launch"), "fsdp": ("fsdp2", "torchrun"),
+        "hf-trainer": ("hf-trainer", "torchrun"), "fabric": ("fabric", "fabric run")}
+
+
+def test_the_benchmark_job_runs_every_row_across_the_nodes_on_the_single_device_weights(cluster, tmp_path):
+    output = tmp_path / "benchmark"
+    exit_code, log = submit("benchmark", output, *BENCHMARK)
     assert exit_code == 0, log[-4000:]
-    result = read_result(output)
-    assert (result["world_size"], result["global_batch_size"], result["dev_samples"]) == (2, 32, DEV_SAMPLES)
-    assert (result["strategy"], result["launcher"]) == RAN_AS[batch_file]
-    assert_same_weights(single_reference / "model", output / "model")
-    # node2's process is a local rank 0 too: global rank 0 alone reports and saves. --threads 1 wins
-    # over the thread policy, which would give each node's one process all its cores.
-    assert log.count("耗时：") == 1 and result["threads_per_process"] == 1
-    assert f"network: {INTERFACE} (NET_INTERFACE overrides it)" in log  # the interface of node1's address
-    left = sorted(path.name for path in output.iterdir() if not path.name.startswith("hostfile-"))  # DeepSpeed's job's
-    assert left == ["model", "result.json"]  # ZeRO-3's shards too merged into model/ and removed
-    if batch_file == "horovod":
-        assert "launcher: srun, one task per process" in log
-    if batch_file == "deepspeed":  # a launcher per host, --no_ssh, the hostfile: DeepSpeed's multi-node launch
-        assert (result["zero_stage"], result["precision"]) == (3, "fp32")
+    report = json.loads((output / "benchmark.json").read_text(encoding="utf-8"))
+    rows = {row["row"]: row for row in report["rows"]}
+    assert rows.keys() == {*ROWS, "dataparallel"} and (output / "benchmark.md").is_file()
+    assert rows["dataparallel"]["status"] == "not run" and "cannot run across nodes" in rows["dataparallel"]["reason"]
+    for name, ran_as in ROWS.items():
+        row_output, row_log = output / name, (output / f"{name}.log").read_text(encoding="utf-8")
+        assert rows[name]["status"] == "ok", row_log[-4000:]
+        result = read_result(row_output)
+        processes = 1 if name == "single" else 2
+        assert (result["world_size"], result["global_batch_size"], result["dev_samples"]) == (processes, 32, DEV_SAMPLES)
+        assert (result["strategy"], result["launcher"]) == ran_as
+        assert_same_weights(output / "single" / "model", row_output / "model")
+        # node2's process is a local rank 0 too: global rank 0 alone reports and saves. --threads 1 wins
+        # over the thread policy, which would give each node's one process all its cores.
+        assert row_log.count("耗时：") == 1 and result["threads_per_process"] == 1
+        left = sorted(path.name for path in row_output.iterdir() if not path.name.startswith("hostfile-"))
+        assert left == ["model", "result.json"]  # ZeRO-3's shards too merged into model/ and removed
+        if name != "single":  # its batch file's log: the interface of node1's address
+            assert f"network: {INTERFACE} (NET_INTERFACE overrides it)" in row_log
+    assert "launcher: srun, one task per process" in (output / "horovod.log").read_text(encoding="utf-8")
+    deepspeed = read_result(output / "deepspeed")
+    assert (deepspeed["zero_stage"], deepspeed["precision"]) == (3, "fp32")
 
 
 def rank_process(output_dir, rank):
