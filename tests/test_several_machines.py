@@ -227,10 +227,12 @@ def test_the_benchmark_job_runs_every_row_across_the_nodes_on_the_single_device_
 
 
 def rank_process(output_dir, rank):
-    """The training process of `rank` (its SLURM_PROCID under srun), found by its output folder."""
+    """The training process of `rank` (RANK under torchrun, SLURM_PROCID under srun), found by its output
+    folder."""
     for process in processes_mentioning(str(output_dir)):
         try:
-            if process.environ().get("SLURM_PROCID") == str(rank) and "python" in process.name():
+            environment = process.environ()
+            if environment.get("RANK", environment.get("SLURM_PROCID")) == str(rank) and "python" in process.name():
                 return process
         except Exception:
             continue
@@ -278,7 +280,8 @@ def test_a_node_lost_mid_run_ends_the_job_and_the_same_job_resubmitted_resumes_b
 
 def test_a_job_signalled_before_preemption_saves_its_step_and_resumes_from_it(cluster, uninterrupted, tmp_path):
     """Slurm's SIGTERM (preemption, or --signal before the time limit) reaches torchrun and its workers:
-    they agree on a step, save it and stop; the job run again continues from that step."""
+    they agree on a step, save it and stop; the job run again continues from that step. There, a
+    worker killed: torchrun restarts them all (--max-restarts), and they continue from it again."""
     output, rarely = tmp_path / "out", [*TWO_EPOCHS, "--save-steps", "100"]  # no checkpoint but the signal's
     job, log = submit("torchrun", output, *TRAIN, *rarely, wait=False)
     while "step：5/22" not in (log.read_text(errors="replace") if log.exists() else ""):
@@ -292,8 +295,24 @@ def test_a_job_signalled_before_preemption_saves_its_step_and_resumes_from_it(cl
     step = int(stopped[0].split("after step ")[1].split(":")[0])
     assert 5 <= step < 22 and checkpoints.read_meaning(output / "checkpoint")["step"] == step
 
-    exit_code, log_text = submit("torchrun", output, *TRAIN, *rarely)
-    assert exit_code == 0, log_text[-4000:]
+    job, log = submit("torchrun", output, *TRAIN, *rarely, wait=False)
+    resumed, victim = f"--resume: continuing from step {step} ", None
+    while resumed not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert job.poll() is None, "the job ended before it resumed"
+        victim = victim or rank_process(output, 1)
+        time.sleep(0.1)
+    first_rank_0 = rank_process(output, 0)
+    (victim or rank_process(output, 1)).send_signal(signal.SIGKILL)  # node2's, training from that step
+    # node1's restarted worker held back 3 s, as on a busy node: node2's reaches the rendezvous first,
+    # which must not find the previous attempt's addresses there.
+    while (restarted := rank_process(output, 0)) in (None, first_rank_0):
+        assert job.poll() is None, "the job ended without restarting its workers"
+        time.sleep(0.1)
+    restarted.suspend()
+    time.sleep(3)
+    restarted.resume()
+    exit_code, log_text = job.wait(), log.read_text(errors="replace")
+    assert exit_code == 0 and log_text.count(resumed) == 2, log_text[-4000:]  # before the kill and after
     result = read_result(output)
     assert result["resumed_from_step"] == step and (result["strategy"], result["launcher"]) == RAN_AS["torchrun"]
     assert result["threads_per_process"] == 1 and log_text.count("耗时：") == 1
