@@ -271,12 +271,14 @@ def job_hosts(nnodes_option):
 def launch_across_nodes(entry, nnodes, nprocs, run_dir, hosts):
     """The batch file that runs `entry` over the first `nnodes` nodes of this job, and its environment:
     the job's shape as sbatch would have set it for a job of those nodes alone (srun takes its node and
-    task counts from these variables), the script and a new free port (this node hosts the rendezvous)."""
+    task counts from these variables), the script, a new free port (this node hosts the rendezvous),
+    and no restart of failed workers (torchrun.sbatch's): a row fails as it would on one machine,
+    rather than timing two attempts."""
     batch_file, task_per_process = BATCH_FILES[entry.launcher]
     tasks = nnodes * (nprocs if task_per_process else 1)
     return ["bash", batch_file], {
         "SCRIPT": entry.script, "GPUS_PER_NODE": str(nprocs), "OUTPUT_DIR": relative(run_dir),
-        "MASTER_PORT": free_port(), "SLURM_JOB_NODELIST": ",".join(hosts[:nnodes]),
+        "MASTER_PORT": free_port(), "MAX_RESTARTS": "0", "SLURM_JOB_NODELIST": ",".join(hosts[:nnodes]),
         "SLURM_NNODES": str(nnodes), "SLURM_JOB_NUM_NODES": str(nnodes),
         "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks), "SLURM_NTASKS_PER_NODE": str(tasks // nnodes)}
 

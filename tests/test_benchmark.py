@@ -262,6 +262,7 @@ def test_across_nodes_each_row_runs_its_batch_file_on_the_first_nodes_of_the_job
     command, env = benchmark.launch_across_nodes(benchmark.STRATEGIES["fsdp"], 2, 4, benchmark.ROOT / "out",
                                                  args.hosts)
     assert command == ["bash", "slurm/torchrun.sbatch"] and env["SCRIPT"] == "multi-gpu-fsdp-cls.py"
+    assert env["MAX_RESTARTS"] == "0"  # a failing row fails, as on one machine
     assert [env[name] for name in ("SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")] == [
         "gpu07,gpu08", "2", "2", "1"]
     # The global batch is shared by every process of every node: 36 splits over 4, not over 2 x 4.
