@@ -14,7 +14,8 @@ their commands are not.
 What is checked, per command:
 1. the suite's script it runs exists (`python X.py`, `torchrun [opts] X.py`, `deepspeed`,
    `accelerate launch`, `horovodrun ... python X.py`, `fabric run`, `python -m
-   torch.distributed.launch`, `./run.sh`, `./test.sh`, `bash scripts/x.sh`, `.venv/bin/...` forms);
+   torch.distributed.launch`, `./run.sh`, `./test.sh`, `bash scripts/x.sh`, `.venv/bin/...` forms,
+   and `sbatch slurm/x.sbatch`, whose options go to its script);
 2. every option given to the script appears in the script's `--help` (`./run.sh` options are
    benchmark.py's; an option benchmark.py does not know goes to every script of the rows it runs,
    so each of those must take it; `--variant` and `--strategy-args` options are checked against
@@ -391,6 +392,8 @@ def analyse_simple(command, words, uses, problems):
             analyse_simple(command, ["./" + relative(scripts[0])] + rest[rest.index(scripts[0]) + 1:], uses, problems)
         elif scripts and not suite_file_exists(scripts[0]):
             problems.append(f"{scripts[0]} does not exist")
+    elif head == "sbatch":
+        analyse_sbatch(command, rest, uses, problems)
     elif head in {"mpirun", "srun"}:
         inner = next((i for i, w in enumerate(rest) if command_word(w) in PYTHONS or w.endswith(".py")), None)
         if inner is not None:
@@ -408,6 +411,23 @@ def analyse_simple(command, words, uses, problems):
     else:
         problems.append(f"unknown command {head!r}: not a suite script nor a known tool "
                         f"(an external tool? add it to NON_SUITE in tests/test_docs.py)")
+
+
+def analyse_sbatch(command, words, uses, problems):
+    """`[SCRIPT=x.py] sbatch [its options] slurm/X.sbatch [options]`: the batch file exists, and the
+    options after it go to its script: SCRIPT's, else the one the batch file or slurm/preflight.sh
+    names by default (benchmark.sbatch's is benchmark.py)."""
+    batch_file = next((word for word in words if word.endswith(".sbatch")), None)
+    if batch_file is None:
+        return
+    if not suite_file_exists(batch_file):
+        problems.append(f"{batch_file} does not exist")
+        return
+    chosen = re.search(r"(?:^|\s)SCRIPT=(\S+)", command.text)
+    default = re.compile(r"^SCRIPT=(?:\$\{SCRIPT:-)?([\w.-]+\.py)", re.M)
+    named = default.search((ROOT / relative(batch_file)).read_text(encoding="utf-8"))
+    script = (chosen or named or default.search((ROOT / "slurm" / "preflight.sh").read_text(encoding="utf-8")))[1]
+    uses.append(Use(command, script=script, script_args=words[words.index(batch_file) + 1:]))
 
 
 def analyse_python(command, words, uses, problems, launcher, launcher_args):
@@ -1074,6 +1094,8 @@ HF_HUB_OFFLINE=1 torchrun --standalone --nproc_per_node 2 no-such-script.py --mo
 deepspeed --num_gpus 2 multi-gpu-deepspeed-cls.py --zero-stage 4 \\
     --deepspeed-config configs/deepspeed/missing.json
 cd /tmp && frobnicate --now
+SCRIPT=multi-gpu-fsdp-cls.py sbatch --nodes 4 slurm/torchrun.sbatch --zero-stage 3
+sbatch slurm/no-such.sbatch
 ```
 
 ```text
@@ -1089,7 +1111,7 @@ def test_checker_reports_bad_option_and_missing_script(helps):
     sample = ROOT / "sample-doc-for-test.md"  # a path under ROOT, as the pages are; never written
     page = read_page(sample, SAMPLE)
     commands = page_commands(page)
-    assert [c.line for c in commands] == [4, 5, 6, 7, 9, 16, 16]
+    assert [c.line for c in commands] == [4, 5, 6, 7, 9, 10, 11, 18, 18]
     report = check_commands(commands, helps)
     text = "\n".join(report)
     assert "sample-doc-for-test.md:4: `python predict.py" in text
@@ -1100,7 +1122,9 @@ def test_checker_reports_bad_option_and_missing_script(helps):
     assert "--zero-stage 4: multi-gpu-deepspeed-cls.py takes one of 0,1,2,3" in text
     assert "the file configs/deepspeed/missing.json does not exist" in text
     assert "unknown command 'frobnicate'" in text
-    assert "sample-doc-for-test.md:16: `torchrun no-such-inline.py` — script no-such-inline.py does not exist" in text
+    assert "option --zero-stage is not an option of multi-gpu-fsdp-cls.py" in text  # SCRIPT's, not the default's
+    assert "slurm/no-such.sbatch does not exist" in text
+    assert "sample-doc-for-test.md:18: `torchrun no-such-inline.py` — script no-such-inline.py does not exist" in text
     assert "--not-checked-inline" not in text     # inline spans: the script must exist, options are not read
     assert "--not-checked" not in text
     links = "\n".join(check_links(page))
