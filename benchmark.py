@@ -40,6 +40,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -345,8 +346,9 @@ def parse_args(argv, gpus):
                         help="seconds one launch may take before it is killed (default: %(default)g)")
     parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
                         help="where the table, chart, logs and each run's files go (default: output/benchmark)")
-    parser.add_argument("--publish", action="store_true",
-                        help="also copy the tables, JSON and chart to docs/results/<machine>/")
+    parser.add_argument("--publish", nargs="?", const="", metavar="SUFFIX",
+                        help="also copy the tables, JSON and chart to docs/results/<machine>[-<model>][-SUFFIX]/ "
+                             "(a SUFFIX keeps the run beside another of the same machine and model)")
     args, passthrough = parser.parse_known_args(argv)
     args = check_args(args, passthrough, parser.get_default("nprocs"))
     if gpus and max(args.counts) > gpus and "cpu" not in passthrough:  # one GPU per process: say so before any launch
@@ -421,6 +423,8 @@ def check_args(args, passthrough, default_nprocs):
             raise cli.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.timeout <= 0:
         raise cli.UserError(f"--timeout must be positive, got {args.timeout:g}")
+    if args.publish and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.publish):
+        raise cli.UserError(f"--publish {args.publish}: a suffix of lower-case letters, digits and dashes, e.g. compile")
     args.counts = parse_counts(args.nprocs)
     args.node_counts = parse_counts(args.nnodes, "--nnodes", "node") if args.nnodes else None
     own = [parse_variant(value) for value in args.variant]
@@ -1077,8 +1081,8 @@ def main():
     write_report(report, args.output_dir, final=True)
     print("\n" + benchmark_report.terminal_report(report))
     print(f"\nwritten: {relative(args.output_dir)}/benchmark.md, benchmark.json, benchmark.png and a log per row")
-    if args.publish:
-        print(f"published: {benchmark_report.publish(report, args.output_dir)}")
+    if args.publish is not None:
+        print(f"published: {benchmark_report.publish(report, args.output_dir, args.publish)}")
     problem = unsuccessful(report["rows"])
     if problem:
         print(problem, file=sys.stderr)

@@ -424,15 +424,19 @@ def write(report, output_dir, final):
 
 # ----------------------------------------------------------------------------- publishing
 
-def publish(report, output_dir):
-    """Copy the run's tables, JSON and chart to docs/results/<machine>/: the record the pages link to."""
-    # A real-size run keeps its own folder beside the machine's tiny-model benchmark.
-    folder = machine_slug(report["machine"]) + ("" if report["model"] == "tiny" else f"-{Path(report['model']).name}")
-    target = RESULTS_DIR / folder
+def publish(report, output_dir, suffix=""):
+    """Copy the run's tables, JSON and chart to docs/results/<folder>/: the record the pages link to."""
+    target = RESULTS_DIR / results_folder(report, suffix)
     target.mkdir(parents=True, exist_ok=True)
     for name in ("benchmark.md", "benchmark.json", "benchmark.png"):
         shutil.copyfile(output_dir / name, target / name)
     return f"{target.relative_to(ROOT)}/"
+
+
+def results_folder(report, suffix=""):
+    """<machine>[-<model>][-<suffix>]: a real-size run keeps its own folder beside the machine's tiny-model one."""
+    model = "" if report["model"] == "tiny" else f"-{Path(report['model']).name}"
+    return machine_slug(report["machine"]) + model + (f"-{suffix}" if suffix else "")
 
 
 def machine_slug(machine):

@@ -171,6 +171,7 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--real-size", "--model", "tiny"], "error: --real-size trains --model base-shape, not tiny"),
     (["--real-size", "--nprocs", "3"], "error: --real-size runs 2 processes per row, and 4 for the sharded ones"),
     (["--max-steps", "0"], "error: --max-steps must be at least 1, got 0"),
+    (["--publish", "../x"], "error: --publish ../x: a suffix of lower-case letters, digits and dashes"),
     (["--nnodes", "1,0"], "error: --nnodes takes node counts of at least 1"),
     (["--nnodes", "2"], "error: --nnodes 2 runs each row across the nodes of a Slurm job: submit slurm/benchmark.sbatch"),
 ])
