@@ -223,10 +223,10 @@ REAL_SIZE_DEFAULTS = {"max_steps": 4, "profile": 2, "batch_size": 8, "max_sample
 # DDP's gradient buckets or a gathered copy of the weights, and 1 GiB of libraries and activations at batch 8.
 BYTES_PER_PARAMETER, BYTES_BEYOND_PARAMETERS = 20, 2**30
 # A launch's cost besides its steps: launcher, imports, building BERT-base, evaluating, saving its 400 MB.
-# Measured on 2 quiet cores: 23 s (one device) to 54 s (ZeRO-1, 4 processes), 30 s the median
-# (docs/results/amd-epyc-2-cores-base-shape-other-rows, whose 10 launches this estimate puts at 12
-# minutes: they took 11); on 2 loaded cores 56 to 173 s.
-LAUNCH_SECONDS = 40
+# Measured on 2 quiet cores (docs/results/amd-epyc-2-cores-base-shape): 12 s (one device) to 38 s (ZeRO-3,
+# 4 processes), 18 s the median; on 2 loaded cores up to 173 s. With 30 s that run's 17 launches were
+# estimated at 13 minutes; they took 9.
+LAUNCH_SECONDS = 30
 
 
 def library_missing(entry):

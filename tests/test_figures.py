@@ -1,6 +1,6 @@
 """Figures quoted by hand are the committed runs': each test below reads a figure the README or a page
 under docs/ quotes and compares it with docs/results/amd-epyc-2-cores/benchmark.json (the main run) or
-docs/results/amd-epyc-2-cores-base-shape/benchmark.json (the real-size run). Each figure is written
+docs/results/amd-epyc-2-cores-base-shape/benchmark.json (`./run.sh --real-size`). Each figure is written
 once (the other pages link to it), so each has one check here. A figure measured by a command whose output is not
 committed has no check: the page says so beside it ("measured by `COMMAND`, not checked")."""
 import json
@@ -12,7 +12,6 @@ from conftest import ROOT
 
 RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json"
 REAL_SIZE_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-base-shape" / "benchmark.json"
-OTHER_ROWS_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-base-shape-other-rows" / "benchmark.json"
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 ANATOMY = (ROOT / "docs" / "anatomy.md").read_text(encoding="utf-8")
 RUNNING = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
@@ -32,6 +31,9 @@ def rows(run):
 @pytest.fixture(scope="module")
 def real_size_rows():
     return {row["row"]: row for row in json.loads(REAL_SIZE_RUN.read_text(encoding="utf-8"))["rows"]}
+
+
+REAL_SIZE_OUTPUT = json.loads(REAL_SIZE_RUN.read_text(encoding="utf-8"))["output_dir"]
 
 
 def section(text, heading, end=None):
@@ -75,9 +77,10 @@ PUBLISHED_RUN = re.compile(r"^\| \[(?P<folder>[\w-]+)\]\(results/(?P=folder)/ben
 def test_the_published_runs_were_made_by_the_commands_the_pages_show():
     """docs/benchmark.md names the command behind each folder of docs/results/, and the README the one
     behind its table: each, parsed as benchmark.py parses it, plans the rows and settings its JSON
-    records."""
+    records, and publishes into that folder."""
     import shlex
     import benchmark
+    import benchmark_report
     page = (ROOT / "docs" / "benchmark.md").read_text(encoding="utf-8")
     shown = {match["folder"]: match["command"] for match in PUBLISHED_RUN.finditer(page)}
     assert shown.keys() == {path.name for path in (ROOT / "docs" / "results").iterdir() if path.is_dir()}
@@ -90,7 +93,8 @@ def test_the_published_runs_were_made_by_the_commands_the_pages_show():
         args = benchmark.parse_args(argv, gpus=gpus)
         # --output-dir as typed, or the default as benchmark.py records it
         output_dir = argv[argv.index("--output-dir") + 1] if "--output-dir" in argv else benchmark.relative(args.output_dir)
-        assert args.publish and output_dir == recorded["output_dir"], folder
+        assert args.publish is not None and output_dir == recorded["output_dir"], folder
+        assert benchmark_report.results_folder(recorded, args.publish) == folder, f"{command} publishes elsewhere"
         assert (args.repeat, args.nprocs, args.max_steps, args.passthrough, args.model or "tiny") == (
             recorded["repeat"], recorded["nprocs"], recorded["max_steps"], recorded["passthrough"], recorded["model"]), folder
         assert [cell["row"] for cell in benchmark.plan(args, gpus=gpus)] == [row["row"] for row in recorded["rows"]], folder
@@ -153,11 +157,13 @@ STATE_COLUMNS = ("parameters", "gradients", "optimizer_state", "total")
 
 
 def test_the_anatomy_real_size_table_is_the_real_size_runs(real_size_rows):
+    """The table shows DDP and the sharded rows; the notes below it give every other row's total."""
     shown = table(section(ANATOMY, "## At real size: BERT-base"),
                   "| row | processes | weights | gradients | optimizer state | model state | ZeRO formula | peak RSS "
                   "| beyond the model state |")
-    assert shown.keys() == real_size_rows.keys()
-    for name, row in real_size_rows.items():
+    assert shown.keys() == {"ddp"} | {name for name in real_size_rows if name.startswith(("deepspeed-n", "deepspeed-zero3", "fsdp"))}
+    for name in shown:
+        row = real_size_rows[name]
         expected = [str(row["processes"]), *(f"{row['model_state_bytes'][key] / MB:.2f}" for key in STATE_COLUMNS),
                     f"{row['model_state_formula_bytes']['total'] / MB:.2f}", f"{row['peak_memory_mb']:.0f}",
                     f"{row['peak_memory_mb'] - row['model_state_bytes']['total'] / MB:.0f}"]
@@ -181,7 +187,7 @@ def test_the_anatomy_sample_profile_line_is_the_real_size_ddp_runs(real_size_row
     line = (f"step anatomy (rank 0, {profile['steps']} steps recorded): {profile['step_ms']:.1f} ms per step = "
             + " + ".join(f"{name} {ms:.1f}" for name, ms in profile["phases_ms"].items())
             + f" (+ {profile['unaccounted_ms']:.1f} elsewhere); communication overlapped with computing: "
-            + f"{profile['overlapped_communication_ms']:.1f} ms; trace: output/real-size/ddp/trace.json")
+            + f"{profile['overlapped_communication_ms']:.1f} ms; trace: {REAL_SIZE_OUTPUT}/ddp/trace.json")
     assert line in section(ANATOMY, "## A step, phase by phase"), f"docs/anatomy.md should show: {line}"
 
 
@@ -203,52 +209,48 @@ def test_the_anatomy_per_gpu_table_follows_the_real_size_formula(real_size_rows)
 
 
 def test_the_anatomy_real_size_notes_are_the_real_size_runs(real_size_rows):
-    text = words(section(ANATOMY, "## At real size: BERT-base"))
+    text = words(section(ANATOMY, "## At real size: BERT-base", "Per GPU from the formula"))
     minutes = sum(row["wall_seconds"] for row in real_size_rows.values()) / 60
-    assert f"{minutes:.0f} minutes of launches" in text
+    assert f"It took {minutes:.0f} minutes of launches" in text
     padding = max((row["model_state_bytes"]["total"] - row["model_state_formula_bytes"]["total"])
                   / row["model_state_formula_bytes"]["total"] for row in real_size_rows.values())
     assert f"within DeepSpeed's gradient padding ({padding:.1%})" in text
-    ddp = real_size_rows["ddp"]["profile"]
-    allreduce = ddp["collectives"]["gloo:all_reduce"]
-    assert f"only {allreduce['exposed_ms'] / 1000:.2f} s of it is exposed" in text
-    hidden = allreduce["ms"] - allreduce["exposed_ms"]
-    assert f"of {allreduce['ms'] / 1000:.2f} s per step, {hidden / 1000:.2f} s run while" in text
-    assert f"backward ({ddp['phases_ms']['backward'] / 1000:.1f} s)" in text
-    gradients = real_size_rows["ddp"]["model_state_bytes"]["gradients"]
-    assert f"BERT-base's {gradients / 1e6:.0f} MB of gradients" in text
-
-
-def test_the_anatomy_notes_on_the_other_real_size_rows_are_their_runs(real_size_rows):
-    other = {row["row"]: row for row in json.loads(OTHER_ROWS_RUN.read_text(encoding="utf-8"))["rows"]}
-    text = words(section(ANATOMY, "The other rows ran", "Per GPU from the formula"))
-    minutes = sum(row["wall_seconds"] for row in other.values()) / 60
-    assert f"({minutes:.0f} minutes of launches)" in text
-    held = {name: row["model_state_bytes"]["total"] / MB for name, row in other.items()}
-    ddp = real_size_rows["ddp"]["model_state_bytes"]["total"] / MB
-    assert f"Every unsharded row holds DDP's {ddp:,.2f} MB" in text
-    assert all(f"{held[name]:.2f}" == f"{ddp:.2f}" for name in held if not name.startswith("deepspeed")), held
-    zero1 = held["deepspeed-zero1-n2"], held["deepspeed-zero1-n4"]
-    zero2 = (real_size_rows["deepspeed-n2"]["model_state_bytes"]["total"] / MB,
-             real_size_rows["deepspeed-n4"]["model_state_bytes"]["total"] / MB)
-    assert [f"{mb:.2f}" for mb in zero1] == [f"{mb:.2f}" for mb in zero2]
-    assert f"{zero1[0]:,.2f} MB at 2 processes and {zero1[1]:,.2f} MB at 4" in text
+    held = {name: row["model_state_bytes"]["total"] / MB for name, row in real_size_rows.items()}
+    assert f"every unsharded row DDP's {held['ddp']:,.2f} MB, ZeRO-1 what ZeRO-2 holds" in text
+    assert all(f"{mb:.2f}" == f"{held['ddp']:.2f}" for name, mb in held.items() if not name.startswith(("deepspeed", "fsdp")))
+    assert all(f"{held[f'deepspeed-zero1-n{n}']:.2f}" == f"{held[f'deepspeed-n{n}']:.2f}" for n in (2, 4))
 
     def allreduce(name):
-        collective = other[name]["profile"]["collectives"]["gloo:all_reduce"]
-        return f"{collective['ms']:,.0f}", f"{collective['exposed_ms']:,.0f}"
-    assert "{} ms of all-reduce of which {} ms exposed under spawn".format(*allreduce("ddp-spawn")) in text
-    assert "{} ms ({} exposed) under Accelerate".format(*allreduce("accelerate")) in text
-    assert "{} ms ({} exposed) under Fabric".format(*allreduce("fabric")) in text
-    waited = other["horovod"]["profile"]["collectives"]["horovod:synchronize"]["exposed_ms"]
-    assert f"only the {waited:.0f} ms the optimizer step waits" in text
-    exposed = other["accelerate"]["profile"]["collectives"]["gloo:all_reduce"]["exposed_ms"]
-    assert waited < exposed, "the page says Horovod's wait is less than a DDP wrapper's exposed all-reduce"
+        return real_size_rows[name]["profile"]["collectives"]["gloo:all_reduce"]
+    ddp = real_size_rows["ddp"]["profile"]
+    assert f"only {allreduce('ddp')['exposed_ms'] / 1000:.2f} s of it is exposed" in text
+    hidden = allreduce("ddp")["ms"] - allreduce("ddp")["exposed_ms"]
+    assert f"of {allreduce('ddp')['ms'] / 1000:.2f} s per step, {hidden / 1000:.2f} s run while" in text
+    assert f"backward ({ddp['phases_ms']['backward'] / 1000:.1f} s)" in text
+    exposed = [f"{allreduce(name)['exposed_ms']:.0f}" for name in ("ddp-spawn", "accelerate", "fabric")]
+    assert "{} ms under spawn, {} under Accelerate, {} under Fabric".format(*exposed) in text
+    gradients = real_size_rows["ddp"]["model_state_bytes"]["gradients"]
+    assert f"BERT-base's {gradients / 1e6:.0f} MB of gradients" in text
+    waited = real_size_rows["horovod"]["profile"]["collectives"]["horovod:synchronize"]["exposed_ms"]
+    assert f"Horovod's optimizer step waits {waited:.0f} ms" in text
+    assert waited < allreduce("ddp")["exposed_ms"], "the page says Horovod waits less than DDP's exposed all-reduce"
     tiny = json.loads(RUN.read_text(encoding="utf-8"))["rows"]
-    assert f"Horovod's {next(row for row in tiny if row['row'] == 'horovod')['speedup']:.2f}x on the tiny model" in text
-    amp, fp32 = other["ddp-amp"]["profile"]["step_ms"], other["ddp-spawn"]["profile"]["step_ms"]
-    assert f"ddp-amp's step took {amp / 1000:.1f} s where ddp-spawn's took {fp32 / 1000:.1f} s, {amp / fp32:.1f}x" in text
-    assert other["hf-trainer"]["profile"] is None and "its row has no anatomy" in text
+    assert f"its {next(row for row in tiny if row['row'] == 'horovod')['speedup']:.2f}x on the tiny model" in text
+    amp, fp32 = real_size_rows["ddp-amp"], real_size_rows["ddp-spawn"]
+    assert amp["precision"] == "bf16" and amp["precision_native"]
+    amp_ms, fp32_ms = amp["profile"]["step_ms"], fp32["profile"]["step_ms"]
+    assert amp_ms < fp32_ms and f"ddp-amp's step took {amp_ms / 1000:.1f} s where ddp-spawn's took {fp32_ms / 1000:.1f} s" in text
+    assert real_size_rows["hf-trainer"]["profile"] is None and "its row has no anatomy" in text
+
+
+def test_the_compile_note_is_the_committed_compiled_run():
+    run = json.loads((ROOT / "docs" / "results" / "amd-epyc-2-cores-base-shape-compile" / "benchmark.json").read_text())
+    rows = {row["row"]: row for row in run["rows"]}
+    note = words(section((ROOT / "docs" / "benchmark.md").read_text(encoding="utf-8"), "**`--compile`**", "- **`--real-size`**"))
+    firsts = [rows[f"{name}+compile"]["first_step_seconds"] for name in ("single", "ddp")]
+    assert f"its first step took {min(firsts):.0f}-{max(firsts):.0f} s" in note
+    assert "the compiled steps were slower than the eager ones" in note
+    assert all(rows[f"{name}+compile"]["steady_step_seconds"] > rows[name]["steady_step_seconds"] for name in ("single", "ddp"))
 
 
 def test_the_fp32_rows_at_one_global_batch_end_alike(rows):
