@@ -209,7 +209,7 @@ def test_the_anatomy_per_gpu_table_follows_the_real_size_formula(real_size_rows)
 
 
 def test_the_anatomy_real_size_notes_are_the_real_size_runs(real_size_rows):
-    text = words(section(ANATOMY, "## At real size: BERT-base", "Per GPU from the formula"))
+    text = words(section(ANATOMY, "## At real size: BERT-base"))
     minutes = sum(row["wall_seconds"] for row in real_size_rows.values()) / 60
     assert f"It took {minutes:.0f} minutes of launches" in text
     padding = max((row["model_state_bytes"]["total"] - row["model_state_formula_bytes"]["total"])
