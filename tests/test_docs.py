@@ -1082,6 +1082,16 @@ def test_relative_links_resolve():
     assert not report, failures("relative links that lead nowhere", report)
 
 
+def test_step_marks_the_pages_cite_are_in_the_lessons():
+    """The pages name a lesson's steps by their marks (`[wrap]`, `[amp]`): each is in some lesson."""
+    lessons = "\n".join(path.read_text(encoding="utf-8") for path in ROOT.glob("*-cls.py"))
+    cited = {mark for path in PAGES if not str(path.relative_to(ROOT)).startswith(RECORDS)
+             for mark in re.findall(r"`(\[[a-z-]+\])`", path.read_text(encoding="utf-8"))}
+    assert cited, "no page cites a step mark"
+    missing = sorted(mark for mark in cited if f"# {mark} " not in lessons)
+    assert not missing, f"marks the pages cite but no lesson has: {missing}"
+
+
 # ----------------------------------------------------------------------------- the checker can fail
 
 SAMPLE = """\
