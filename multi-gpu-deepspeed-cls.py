@@ -6,8 +6,8 @@
     deepspeed --num_gpus 2 multi-gpu-deepspeed-cls.py --deepspeed-config configs/deepspeed/zero3.json
     python multi-gpu-deepspeed-cls.py --estimate-memory 8     # model-state memory on 8 GPUs, then exit
 
-    # several machines: a hostfile names each one and its GPUs ("worker-1 slots=8" per line);
-    # run this on the first machine, which reaches the others over passwordless ssh:
+    # several machines: a hostfile names each one and its GPUs ("worker-1 slots=8" per line); the first
+    # starts the others over ssh, or each runs this with --no_ssh --node_rank N --master_addr worker-1:
     deepspeed --hostfile hostfile multi-gpu-deepspeed-cls.py
 
 As with DDP, each process trains on its own shard of every batch. ZeRO also splits the training

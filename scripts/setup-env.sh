@@ -45,8 +45,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
             echo "No NVIDIA driver here: torch's CPU build comes from $cpu_index (TORCH_BUILD=pypi takes PyPI's)"
             export PIP_EXTRA_INDEX_URL=$cpu_index
         else
-            echo "No NVIDIA driver here, but $cpu_index cannot be reached: torch comes from pip's usual" \
-                 "index (PyPI's: the CUDA build)"
+            echo "No NVIDIA driver here, but $cpu_index cannot be reached: torch comes from pip's own" \
+                 "index (from PyPI, the CUDA build)"
         fi
     fi
     echo "Installing the pinned dependencies into $venv ..."

@@ -220,6 +220,6 @@ def test_without_an_nvidia_driver_the_set_up_takes_torchs_cpu_build(bare_checkou
         assert f"No NVIDIA driver here: torch's CPU build comes from {cpu_index}" in process.stdout
     else:
         assert pip.endswith("index=")
-        assert (f"No NVIDIA driver here, but {cpu_index} cannot be reached: torch comes from pip's usual index"
+        assert (f"No NVIDIA driver here, but {cpu_index} cannot be reached: torch comes from pip's own index"
                 in process.stdout)
     assert "torch 2.13.0: the build pip chose" in process.stdout
