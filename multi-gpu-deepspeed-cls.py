@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 import common
-from support import checkpoints, cli, deepspeed_setup, machine
+from libraries import deepspeed_setup
+from support import checkpoints, cli, machine
 
 
 class DeepSpeed(common.TorchDistributed):

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 import common
-from support import cli, fabric_setup, models
+from libraries import fabric_setup
+from support import cli, models
 
 
 class ThroughFabric(fabric_setup.FabricCollectives):

@@ -21,7 +21,7 @@ marked comments ([data], [train], ...) say what it does for you. The suite's opt
 --batch-size to per_device_train_batch_size, --grad-accum to gradient_accumulation_steps,
 --precision to bf16 / fp16, --epochs, --seed, --log-steps, --dist-timeout to theirs.
 
-Where the Trainer's defaults differ from the suite's they are set back in support/transformers_setup.py: its
+Where the Trainer's defaults differ from the suite's they are set back in libraries/transformers_setup.py: its
 linear learning-rate decay, gradient clipping at 1.0, fused AdamW, random sampler and loaders, loss
 and loss averaging. With that it is the DDP script run by a library: 3 processes x 11 end with the
 weights of single-gpu-cls.py at 33 (fp32, no shuffling or dropout: the suite tests it), and
@@ -39,7 +39,8 @@ import torch.distributed as dist
 from transformers import TrainingArguments
 
 import common
-from support import checkpoints, cli, machine, results, transformers_setup
+from libraries import transformers_setup
+from support import checkpoints, cli, machine, results
 
 
 def main():

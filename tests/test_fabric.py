@@ -96,7 +96,7 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
         "multi-gpu-deepspeed-cls.py runs DeepSpeed over gloo"]
     # The same check reads what fabric run passes in LT_* variables: fp16 on CPU is refused, where
     # Fabric itself would train in bf16 after a warning.
-    from support import fabric_setup  # here: lightning_fabric is checked for first (fabric_installed)
+    from libraries import fabric_setup  # here: lightning_fabric is checked for first (fabric_installed)
     parser = cli.build_parser(SCRIPT, "")
     fabric_setup.add_fabric_args(parser)
     refusals = [([], {"LT_PRECISION": "16-mixed"}, "--precision fp16 needs a GPU"),

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from support import deepspeed_setup, measure
+from libraries import deepspeed_setup
+from support import measure
 from conftest import ROOT, run
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
@@ -98,7 +99,7 @@ def test_deepspeed_reduce_bucket_is_ddps_size_not_deepspeeds_two_gigabytes(confi
 
 
 def test_fabric_deepspeed_config_uses_ddps_bucket_size(monkeypatch):
-    from support import fabric_setup
+    from libraries import fabric_setup
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the function names cuda; monkeypatch restores it
     monkeypatch.setattr(fabric_setup, "DeepSpeedStrategy", lambda config, timeout: config)
     config = fabric_setup.fabric_strategy(Namespace(fabric_strategy="deepspeed", dist_timeout=60, batch_size=16,

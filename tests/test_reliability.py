@@ -176,7 +176,7 @@ def test_a_full_disk_during_a_deepspeed_step_removes_its_folder_and_latest_names
     each rank's shard is a torch.save)."""
     import torch
     from support import cli
-    from support import deepspeed_setup
+    from libraries import deepspeed_setup
     with mounted_tmpfs(tmp_path):
         (tmp_path / "latest").write_text("step4", encoding="utf-8")
         with pytest.raises(cli.UserError, match=f"^no space left on {tmp_path}: "):

@@ -15,7 +15,9 @@ from accelerate import PartialState
 from transformers import ProgressCallback, Trainer, TrainerCallback
 
 import common
-from . import cli, deepspeed_setup, files, machine, measure, models, results
+from support import cli, files, machine, measure, models, results
+
+from . import deepspeed_setup
 
 SCRIPT = "multi-gpu-transformers-cls.py"
 

@@ -14,7 +14,7 @@ import pydantic
 import torch
 
 import common
-from . import checkpoints, cli, files, machine, models
+from support import checkpoints, cli, files, machine, models
 
 # DeepSpeed 0.19 still calls collectives that torch 2.13 has renamed: a warning per call site and rank.
 warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated")

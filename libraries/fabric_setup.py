@@ -17,7 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 import common
-from . import checkpoints, cli, deepspeed_setup, machine
+from support import checkpoints, cli, machine
+
+from . import deepspeed_setup
 
 # The suite's --precision and Fabric's names for it: "32-true" is Fabric's default, the mixed ones autocast.
 FABRIC_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
