@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from support import checkpoints, measure, models, results
-from support.cli import UserError
+from support.errors import UserError
 from support.machine import computes_natively, set_threads, use_attention_without_plans, use_tf32
 
 LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]

@@ -17,7 +17,6 @@ parallelism). Without GPUs the same code runs CPU processes that talk over gloo.
 """
 import contextlib
 import glob
-import json
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 import common
 from libraries import deepspeed_setup
-from support import checkpoints, cli, machine
+from support import checkpoints, cli, launch, machine
 
 
 class DeepSpeed(common.TorchDistributed):
@@ -107,8 +106,7 @@ class DeepSpeed(common.TorchDistributed):
         latest = Path(path) / "latest"
         if not latest.is_file():
             return None
-        meaning = Path(path) / latest.read_text(encoding="utf-8").strip() / checkpoints.MEANING_FILE
-        return json.loads(meaning.read_text(encoding="utf-8")) if meaning.is_file() else None
+        return checkpoints.meaning_in(Path(path) / latest.read_text(encoding="utf-8").strip())
 
     def load_state(self, model, optimizer, path):
         _, state = self.engine.load_checkpoint(path)
@@ -136,7 +134,7 @@ def main():
 
     # [ranks] The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
-    rank, world_size, local_rank, local_world_size = cli.launch_environment(
+    rank, world_size, local_rank, local_world_size = launch.launch_environment(
         "deepspeed --num_gpus N multi-gpu-deepspeed-cls.py")
     deepspeed_setup.stop_with_the_launcher(local_rank)  # it passes no signal on: the ranks stop once it is gone
     device = machine.resolve_device(args.device, local_rank)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import common
-from support import cli, machine, models
+from support import cli, launch, machine, models
 
 
 class DDP(common.TorchDistributed):
@@ -46,7 +46,7 @@ def main():
 
     # [ranks] The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
     #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
-    rank, world_size, local_rank, local_world_size = cli.launch_environment(
+    rank, world_size, local_rank, local_world_size = launch.launch_environment(
         "torchrun --nproc_per_node N multi-gpu-distributed-cls.py")
     device = machine.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
 

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 import common
-from support import checkpoints, cli, machine, models
+from support import checkpoints, cli, launch, machine, models
 
 # The 16-bit type the sharded weights are gathered in for computing, for each --precision choice.
 PARAM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
@@ -121,7 +121,7 @@ def main():
 
     # [ranks] The global rank decides who prints and saves; the local rank decides which GPU this
     #    process uses.
-    rank, world_size, local_rank, local_world_size = cli.launch_environment(
+    rank, world_size, local_rank, local_world_size = launch.launch_environment(
         "torchrun --nproc_per_node N multi-gpu-fsdp-cls.py")
     device = machine.resolve_device(args.device, local_rank)
     machine.check_precision(args.precision, device)

@@ -19,7 +19,7 @@ import horovod.torch as hvd
 import torch
 
 import common
-from support import cli, machine, models
+from support import cli, launch, machine, models
 
 
 class Horovod(common.Strategy):
@@ -77,7 +77,7 @@ def main():
 
     # [ranks] Join the job horovodrun started. The global rank decides who prints and saves; the local
     #    rank (the process's index on its machine) decides which GPU it uses.
-    cli.use_slurm_for_horovod()  # one srun task per process (slurm/horovod.sbatch): ranks from Slurm
+    launch.use_slurm_for_horovod()  # one srun task per process (slurm/horovod.sbatch): ranks from Slurm
     hvd.init()
     check_launched()
     device = machine.resolve_device(args.device, hvd.local_rank())

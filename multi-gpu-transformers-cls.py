@@ -40,7 +40,7 @@ from transformers import TrainingArguments
 
 import common
 from libraries import transformers_setup
-from support import checkpoints, cli, machine, results
+from support import checkpoints, cli, launch, machine, results
 
 
 def main():
@@ -58,9 +58,9 @@ def main():
 
     # [ranks] One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads
     #    the same RANK / WORLD_SIZE / LOCAL_RANK variables the DDP script reads.
-    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or cli.started_by_srun()
+    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or launch.started_by_srun()
     rank, world_size, local_rank, local_world_size = (
-        cli.launch_environment(f"torchrun --nproc_per_node N {transformers_setup.SCRIPT}") if launched
+        launch.launch_environment(f"torchrun --nproc_per_node N {transformers_setup.SCRIPT}") if launched
         else (0, 1, 0, 1))
     device = machine.resolve_device(args.device, local_rank)
     deepspeed_config = transformers_setup.read_deepspeed_config(args.deepspeed) if args.deepspeed else None

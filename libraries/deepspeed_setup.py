@@ -14,7 +14,7 @@ import pydantic
 import torch
 
 import common
-from support import checkpoints, cli, files, machine, models
+from support import checkpoints, cli, files, launch, machine, models
 
 # DeepSpeed 0.19 still calls collectives that torch 2.13 has renamed: a warning per call site and rank.
 warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated")
@@ -192,7 +192,7 @@ def remove_shared_memory_buffer(rank):
 def estimate_memory(args):
     """--estimate-memory: rank 0 prints the table (no process group is formed, no training)."""
     gpus_per_node, nodes = estimate_layout(args.estimate_memory)
-    if cli.current_rank() == 0:
+    if launch.current_rank() == 0:
         import_deepspeed(torch.device("cpu"))
         print_memory_estimate(args, gpus_per_node, nodes)
 

@@ -28,7 +28,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from support import cli, files, machine, models  # noqa: E402
+from support import cli, files, launch, machine, models  # noqa: E402
 
 LAUNCH = "torchrun --standalone --nproc_per_node 2 microbenchmarks/allreduce.py"
 UNITS = {"": 1, "K": 2**10, "M": 2**20}
@@ -151,7 +151,7 @@ def main():
     if args.json and Path(args.json).is_dir():
         raise cli.UserError(f"--json {args.json} is a folder, not a file")
 
-    rank, world_size, local_rank, local_world_size = cli.launch_environment(LAUNCH)
+    rank, world_size, local_rank, local_world_size = launch.launch_environment(LAUNCH)
     device = pick_device(args.device, local_rank, local_world_size)
     # Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
     if device.type == "cuda":

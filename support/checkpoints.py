@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cli import UserError, describe, first_cause
+from .callbacks import Callback
+from .errors import UserError, describe, first_cause
 from .files import existing_parent, removed_on_failure, replace_dir, staged_dir, write_json
-from .measure import Callback
 
 # A training checkpoint: the state, and what its step means, readable by a person.
 CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"
@@ -172,10 +172,13 @@ def write_training_state(folder, state):
 
 def read_meaning(path):
     """The step and settings of the complete checkpoint in `path`, or None when there is none."""
-    path = Path(path)
-    if not (path / CHECKPOINT_FILE).is_file() or not (path / MEANING_FILE).is_file():
-        return None
-    return json.loads((path / MEANING_FILE).read_text(encoding="utf-8"))
+    return meaning_in(path) if (Path(path) / CHECKPOINT_FILE).is_file() else None
+
+
+def meaning_in(folder):
+    """The meaning.json in `folder` (any strategy's checkpoint folder), or None when it has none."""
+    meaning = Path(folder) / MEANING_FILE
+    return json.loads(meaning.read_text(encoding="utf-8")) if meaning.is_file() else None
 
 
 def read_training_state(path):

@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .cli import UserError, first_cause
+from .errors import UserError, first_cause
 
 
 @contextlib.contextmanager

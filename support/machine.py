@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import UserError
+from .errors import UserError
 
 # CPU flags of native 16-bit arithmetic (/proc/cpuinfo); without them torch emulates the type in fp32.
 NATIVE_CPU_FLAGS = {"bf16": {"avx512_bf16", "amx_bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}

@@ -13,8 +13,9 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
+from .cli import DEFAULT_LR, ROOT
+from .errors import UserError
 from .files import read_json_object
-from .cli import DEFAULT_LR, ROOT, UserError
 
 HUB_MODEL_ID = "hfl/chinese-bert-wwm-ext"
 LOCAL_MODEL_DIR = ROOT / "model_hub" / "chinese-bert-wwm-ext"

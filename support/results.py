@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from . import cli
+from . import launch
 from .files import write_json
 from .machine import device_description, peak_memory_mb
 from .models import parameter_count
@@ -54,7 +54,7 @@ def fields(trainer, progress, metrics):
     samples = max(progress["samples"], 1)
     return {
         "strategy": strategy.name,
-        "launcher": "srun" if cli.srun_started_this_process else strategy.launcher,
+        "launcher": "srun" if launch.srun_started_this_process else strategy.launcher,
         "world_size": strategy.world_size,
         "device": device_description(strategy.device),
         "threads_per_process": trainer.threads,

@@ -5,7 +5,7 @@ torch: torch is imported where it is used."""
 import socket
 import time
 
-from . import cli
+from .errors import UserError
 
 # Seconds the processes get to stop on their own (after a failure or a SIGTERM) before they are killed.
 SHUTDOWN_GRACE_SECONDS = 10
@@ -25,20 +25,20 @@ def check_launch(args, gpus):
     if args.nprocs is None:
         args.nprocs = gpus or 2
     if args.nprocs < 1 or args.nnodes < 1:
-        raise cli.UserError("--nprocs and --nnodes must be at least 1")
+        raise UserError("--nprocs and --nnodes must be at least 1")
     if gpus and args.nprocs > gpus and args.backend != "gloo":
-        raise cli.UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
+        raise UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
                             "--backend gloo lets them share the GPUs")
     if not 0 <= args.node_rank < args.nnodes:
-        raise cli.UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
+        raise UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
     if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
-        raise cli.UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
+        raise UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
                             "of the --node-rank 0 machine) and --master-port")
     args.master_addr = args.master_addr or "127.0.0.1"
     if args.master_port is None:
         args.master_port = free_port()
     elif args.node_rank == 0 and not port_is_free(args.master_port):
-        raise cli.UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
+        raise UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
                             "or leave it out to get a free one")
 
 

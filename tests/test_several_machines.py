@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import checkpoints, cli, machine
+from support import checkpoints, cli, launch, machine
 from conftest import (EXACT, DEV_SAMPLES, PYTHON, ROOT, SMALL, assert_same_weights, processes_mentioning,
                       read_result, run)
 
@@ -31,47 +31,47 @@ def slurm_task(monkeypatch):
     launcher_set = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
     task_environment = {name: value for name, value in os.environ.items() if name not in launcher_set}
     monkeypatch.setattr(os, "environ", {**task_environment, **SLURM_TASK})
-    monkeypatch.setattr(cli, "srun_started_this_process", False)
+    monkeypatch.setattr(launch, "srun_started_this_process", False)
 
 
 def test_an_srun_task_takes_its_rank_and_rendezvous_from_slurm(slurm_task):
-    assert cli.launch_environment("torchrun ...") == (1, 3, 0, 1)  # node 1 of "2,1" runs one task
+    assert launch.launch_environment("torchrun ...") == (1, 3, 0, 1)  # node 1 of "2,1" runs one task
     assert os.environ["MASTER_ADDR"] == "gpu07"
     assert os.environ["MASTER_PORT"] == str(15000 + 123456 % 10000)
-    assert cli.srun_started_this_process
+    assert launch.srun_started_this_process
 
 
 def test_master_addr_and_port_set_by_the_user_win(slurm_task, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.9")
     monkeypatch.setenv("MASTER_PORT", "29999")
-    cli.launch_environment("torchrun ...")
+    launch.launch_environment("torchrun ...")
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.9", "29999")
 
 
 def test_horovod_under_srun_takes_its_ranks_from_slurm_with_the_batch_files_rendezvous(slurm_task):
     with pytest.raises(cli.UserError, match="without Horovod's rendezvous: submit slurm/horovod.sbatch"):
-        cli.use_slurm_for_horovod()
+        launch.use_slurm_for_horovod()
     os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"] = "gpu07"
-    cli.use_slurm_for_horovod()
+    launch.use_slurm_for_horovod()
     ranks = [os.environ[f"HOROVOD_{name}"] for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
                                                          "CROSS_SIZE")]
-    assert ranks == ["1", "3", "0", "1", "1", "2"] and cli.srun_started_this_process  # 2 tasks on gpu07, 1 here
+    assert ranks == ["1", "3", "0", "1", "1", "2"] and launch.srun_started_this_process  # 2 tasks on gpu07, 1 here
     del os.environ["HOROVOD_RANK"]
     os.environ.update(SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0")
-    cli.use_slurm_for_horovod()  # the second task of gpu07: alone at local rank 1
+    launch.use_slurm_for_horovod()  # the second task of gpu07: alone at local rank 1
     assert (os.environ["HOROVOD_CROSS_RANK"], os.environ["HOROVOD_CROSS_SIZE"]) == ("0", "1")
 
 
 def test_a_batch_script_without_srun_still_gets_the_launcher_error(slurm_task):
     del os.environ["SLURM_STEP_ID"]  # the batch script itself: srun did not start this process
     with pytest.raises(cli.UserError, match="runs under a launcher"):
-        cli.launch_environment("torchrun ...")
+        launch.launch_environment("torchrun ...")
 
 
 @pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("node[1-2]", "node1"),
                                              ("gpu[07-09,12]-ib,cpu1", "gpu07-ib"), ("cpu1,gpu[1-2]", "cpu1")])
 def test_the_first_host_of_a_node_list(nodelist, first):
-    assert cli.first_host(nodelist) == first
+    assert launch.first_host(nodelist) == first
 
 
 @pytest.mark.parametrize("variables, expected", [
@@ -105,7 +105,7 @@ def test_device_cuda_in_a_slurm_job_without_gpus_says_how_to_ask_for_them(monkey
 
 
 def test_tasks_per_node_expand():
-    assert cli.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert launch.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
 
 
 # ----------------------------------------------------------------------------- on the 2-node cluster

@@ -1,0 +1,127 @@
+"""How a launcher (or Slurm's srun) told this process its place in the job: its rank, the world size,
+its local rank and the processes on its machine. Imports nothing heavy, as cli.py."""
+import os
+import re
+import socket
+
+from .errors import UserError
+
+
+def current_rank():
+    for name in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+def launch_environment(how_to_launch):
+    """(rank, world size, local rank, processes on this machine) as the launcher set them, or as Slurm
+    set them for a plain `srun` of one task per process, or one line saying what is missing."""
+    if "RANK" not in os.environ and started_by_srun():
+        use_slurm_task_environment()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UserError(f"this script runs under a launcher: {how_to_launch}, or one srun task per process "
+                        "(see the README)")
+    local = {"LOCAL_RANK": os.environ.get("LOCAL_RANK"),
+             "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")}
+    missing = [name for name, value in local.items() if value is None]
+    if missing:
+        raise UserError(f"the launcher set RANK and WORLD_SIZE but not {' and '.join(missing)}: set them too "
+                        "(this process's index on its machine, and the processes there), as torchrun does")
+    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(local["LOCAL_RANK"]),
+            int(local["LOCAL_WORLD_SIZE"]))
+
+
+# ----------------------------------------------------------------------------- Slurm, no launcher
+
+# What srun sets in every task it starts. SLURM_STEP_ID is missing from the batch script itself, which
+# also has SLURM_PROCID 0 and the job's SLURM_NTASKS: a script started there without srun is one
+# process, not rank 0 of a group that would wait for the others until --dist-timeout.
+SLURM_TASK_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_ID")
+# The rendezvous port when MASTER_PORT is unset: one per job id, so that two jobs sharing a first node
+# do not meet each other's rendezvous (two steps of one job at once need a MASTER_PORT each).
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 10000
+# Set when srun, not a launcher, started this process: result.json names srun as its launcher.
+srun_started_this_process = False
+
+
+def started_by_srun():
+    return all(name in os.environ for name in SLURM_TASK_VARIABLES)
+
+
+def use_slurm_task_environment():
+    """Set what torchrun would have set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) from srun's SLURM_* variables. The rendezvous is the step's first node, where srun
+    starts rank 0; MASTER_ADDR and MASTER_PORT, when set, win."""
+    global srun_started_this_process
+    srun_started_this_process, env = True, os.environ
+    node_id = int(env["SLURM_NODEID"])
+    tasks_per_node = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env["SLURM_TASKS_PER_NODE"])
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"], LOCAL_RANK=env["SLURM_LOCALID"],
+               LOCAL_WORLD_SIZE=str(tasks_per_node[node_id]))
+    env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_NODELIST"]))
+    env.setdefault("MASTER_PORT", str(SLURM_PORT_BASE + int(env.get("SLURM_JOB_ID", 0)) % SLURM_PORT_SPAN))
+    if env["RANK"] == "0":
+        check_rendezvous_host(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        print(f"launcher: srun, one task per process: rank, world size and local rank from SLURM_PROCID, "
+              f"SLURM_NTASKS and SLURM_LOCALID; rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']} "
+              f"(the first node; MASTER_ADDR and MASTER_PORT override it)", flush=True)
+
+
+def use_slurm_for_horovod():
+    """Horovod's rank variables from srun's, for one srun task per process (slurm/horovod.sbatch runs
+    the gloo rendezvous horovodrun would run): what horovodrun sets in each process it starts."""
+    env = os.environ
+    if "HOROVOD_RANK" in env or not started_by_srun():
+        return
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in env:
+        raise UserError("srun started this script without Horovod's rendezvous: submit slurm/horovod.sbatch, "
+                        "which runs one, or start it with horovodrun")
+    global srun_started_this_process
+    srun_started_this_process = True
+    node, local_rank = int(env["SLURM_NODEID"]), int(env["SLURM_LOCALID"])
+    tasks_per_node = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env["SLURM_TASKS_PER_NODE"])
+    # The "cross" group: the processes of this local rank, one on each node that has one.
+    peers = [index for index, tasks in enumerate(tasks_per_node) if tasks > local_rank]
+    env.update(HOROVOD_RANK=env["SLURM_PROCID"], HOROVOD_SIZE=env["SLURM_NTASKS"],
+               HOROVOD_LOCAL_RANK=str(local_rank), HOROVOD_LOCAL_SIZE=str(tasks_per_node[node]),
+               HOROVOD_CROSS_RANK=str(peers.index(node)), HOROVOD_CROSS_SIZE=str(len(peers)),
+               HOROVOD_HOSTNAME=env.get("SLURMD_NODENAME") or socket.gethostname(),
+               HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo")
+    if env["HOROVOD_RANK"] == "0":
+        print(f"launcher: srun, one task per process: Horovod's ranks from SLURM_PROCID, SLURM_NTASKS and "
+              f"SLURM_LOCALID; rendezvous {env['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
+              f"{env.get('HOROVOD_GLOO_RENDEZVOUS_PORT')}", flush=True)
+
+
+def expand_tasks_per_node(value):
+    """Slurm's compressed tasks per node, one count per node: '2(x3),1' -> [2, 2, 2, 1]."""
+    counts = []
+    for part in value.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts
+
+
+def first_host(nodelist):
+    """The first host of a Slurm node list, as `scontrol show hostnames` would list it first:
+    'gpu[07-09,12]-ib,cpu1' -> 'gpu07-ib'. Zero padding is kept: it is part of the name."""
+    prefix, ranges, suffix = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist).groups()
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "") + suffix
+
+
+def check_rendezvous_host(address, port):
+    """On rank 0, before anyone waits on it: the rendezvous address is this machine's, and its port free.
+    Otherwise the other processes would wait --dist-timeout seconds for a rendezvous that never comes."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((socket.gethostbyname(address), 0))
+        except OSError:
+            raise UserError(f"MASTER_ADDR {address} is not an address of {socket.gethostname()}, where rank 0 "
+                            "runs: leave MASTER_ADDR unset (the job's first node) or name this node") from None
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            raise UserError(f"MASTER_PORT {port} is already in use on {socket.gethostname()} (rank 0's node): "
+                            "set MASTER_PORT to a free port") from None
