@@ -99,26 +99,26 @@ def test_max_steps_beyond_the_epochs_trains_the_epochs(single_33):
 
 
 def test_the_runner_counts_base_shape_from_its_config_alone():
-    import benchmark
-    assert benchmark.bert_parameters(CONFIG, LABELS) == bert_classifier_parameters(CONFIG, LABELS)
+    from bench import estimate
+    assert estimate.bert_parameters(CONFIG, LABELS) == bert_classifier_parameters(CONFIG, LABELS)
 
 
 def test_real_size_plan_runs_every_default_row_and_the_sharded_ones_at_4():
-    import benchmark
-    cells = benchmark.plan(benchmark.parse_args(["--real-size"], gpus=0), gpus=0)
-    launched = {(cell["variant"], benchmark.processes(cell)) for cell in cells}
-    assert {variant.name for variant in benchmark.DEFAULT_ROWS} <= {variant for variant, _ in launched}
+    from bench import estimate, options, rows
+    cells = options.plan(options.parse_args(["--real-size"], gpus=0), gpus=0)
+    launched = {(cell["variant"], estimate.processes(cell)) for cell in cells}
+    assert {variant.name for variant in rows.DEFAULT_ROWS} <= {variant for variant, _ in launched}
     assert {("deepspeed-zero1", 4), ("deepspeed", 4), ("deepspeed-zero3", 4), ("fsdp", 4), ("ddp", 2),
             ("single", 1)} <= launched
-    assert max(count for variant, count in launched if variant not in benchmark.REAL_SIZE_SHARDED_ROWS) == 2
+    assert max(count for variant, count in launched if variant not in options.REAL_SIZE_SHARDED_ROWS) == 2
 
 
 def test_real_size_refuses_a_plan_that_does_not_fit_in_memory():
-    import benchmark
+    from bench import estimate, options
     from support import cli
-    cells = benchmark.plan(benchmark.parse_args(["--real-size"], gpus=0), gpus=0)
+    cells = options.plan(options.parse_args(["--real-size"], gpus=0), gpus=0)
     parameters = bert_classifier_parameters(CONFIG, LABELS)
     # 4 processes, each with 16 bytes of model state a parameter and more: over 4 x 16 x 102 M bytes.
-    assert benchmark.check_memory(cells, parameters, available=24 * 2**30) > 4 * 16 * parameters
+    assert estimate.check_memory(cells, parameters, available=24 * 2**30) > 4 * 16 * parameters
     with pytest.raises(cli.UserError, match="needs about .* GiB for .*4 processes"):
-        benchmark.check_memory(cells, parameters, available=4 * 16 * parameters)
+        estimate.check_memory(cells, parameters, available=4 * 16 * parameters)

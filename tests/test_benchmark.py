@@ -1,5 +1,5 @@
 """benchmark.py: runs rows (strategies and their variants) with their launchers, interleaves repeats,
-sweeps process counts, and reports (benchmark_report.py) exactly what each run measured."""
+sweeps process counts, and reports (report.py) exactly what each run measured."""
 import argparse
 import importlib.util
 import json
@@ -12,7 +12,9 @@ import time
 import pytest
 
 import benchmark
-import benchmark_report
+from bench import estimate, options, provenance, rows
+from bench import report as bench_report
+from bench import run as bench_run
 from support import cli, machine, models
 from conftest import (CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, processes_mentioning, read_result, run,
                       run_in_process)
@@ -87,8 +89,8 @@ def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_proc
 
 
 def test_in_a_sweep_single_runs_once_and_speedups_are_over_it():
-    args = benchmark.parse_args(["--only", "single,ddp", "--nprocs", "1,2", "--repeat", "2"], gpus=0)
-    assert [cell["row"] for cell in benchmark.plan(args, gpus=0)] == ["single", "ddp-n1", "ddp-n2"]
+    args = options.parse_args(["--only", "single,ddp", "--nprocs", "1,2", "--repeat", "2"], gpus=0)
+    assert [cell["row"] for cell in options.plan(args, gpus=0)] == ["single", "ddp-n1", "ddp-n2"]
 
     def row(name, strategy, nprocs, samples_per_second):
         return {"row": name, "variant": strategy, "strategy": strategy, "nprocs": nprocs, "processes": nprocs,
@@ -96,7 +98,7 @@ def test_in_a_sweep_single_runs_once_and_speedups_are_over_it():
                 "samples_per_second": samples_per_second, "relative_spread": None}
     report = {"rows": [row("single", "single", 1, 100.0), row("ddp-n1", "ddp", 1, 90.0),
                        row("ddp-n2", "ddp", 2, 150.0)]}
-    benchmark.add_figures(report)
+    bench_run.add_figures(report)
     single, ddp1, ddp2 = report["rows"]
     assert (single["speedup"], ddp1["speedup"], ddp2["speedup"]) == (1.0, 0.9, 1.5)
     assert ddp2["speedup_vs_1_process"] == round(150 / 90, 3)
@@ -185,7 +187,7 @@ def test_list_shows_every_row_and_a_variant_of_ones_own():
     process = run_in_process(["benchmark.py", "--list", "--variant", "mine=deepspeed:--zero-stage 1"])
     assert process.returncode == 0, process.stderr
     output = process.stdout
-    for variant in benchmark.BUILT_IN_VARIANTS:
+    for variant in rows.BUILT_IN_VARIANTS:
         assert re.search(rf"^  {re.escape(variant.name)} +{variant.strategy} ", output, re.M), variant.name
     assert re.search(r"^  mine +deepspeed +--zero-stage 1 +from the command line", output, re.M)
 
@@ -194,13 +196,13 @@ def options_for(row, gpus=0, nprocs=2, **overrides):
     values = dict(max_samples=None, epochs=None, max_steps=None, batch_size=None, global_batch=None, precision=None,
                   grad_accum=None, profile=None, passthrough=[], strategy_options={})
     args = argparse.Namespace(**{**values, **overrides})
-    variants = {variant.name: variant for variant in benchmark.BUILT_IN_VARIANTS}
-    return benchmark.script_options(args, variants[row], benchmark.ROOT / "out", "tiny", gpus, nprocs)
+    variants = {variant.name: variant for variant in rows.BUILT_IN_VARIANTS}
+    return options.script_options(args, variants[row], rows.ROOT / "out", "tiny", gpus, nprocs)
 
 
 def test_every_launch_line_and_the_options_each_row_gets():
-    lines = {name: entry.launch(entry.script, 2, 0) for name, entry in benchmark.STRATEGIES.items()}
-    assert len(lines) == 11 and all(entry.script in lines[name] for name, entry in benchmark.STRATEGIES.items())
+    lines = {name: entry.launch(entry.script, 2, 0) for name, entry in rows.STRATEGIES.items()}
+    assert len(lines) == 11 and all(entry.script in lines[name] for name, entry in rows.STRATEGIES.items())
     assert lines["ddp"][:3] == [".venv/bin/torchrun", "--nproc_per_node", "2"] and lines["ddp"][4].isdigit()
     assert lines["fsdp"][:3] == lines["ddp"][:3] and lines["fsdp"][-1] == "multi-gpu-fsdp-cls.py"
     assert lines["fabric"][:6] == [".venv/bin/fabric", "run", "--accelerator", "cpu", "--devices", "2"]
@@ -208,9 +210,9 @@ def test_every_launch_line_and_the_options_each_row_gets():
     assert lines["horovod"][:6] == [".venv/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"]
     assert lines["deepspeed"][:3] == [".venv/bin/deepspeed", "--num_gpus", "2"]
     assert "--multi_gpu" in lines["accelerate"]
-    assert "--multi_gpu" not in benchmark.launch_accelerate("a.py", 1, 0)  # accelerate refuses it with 1 process
+    assert "--multi_gpu" not in rows.launch_accelerate("a.py", 1, 0)  # accelerate refuses it with 1 process
     assert "--gpu-ids" not in lines["dataparallel"]
-    assert benchmark.launch_dataparallel("dp.py", 2, 2)[-2:] == ["--gpu-ids", "0,1"]
+    assert rows.launch_dataparallel("dp.py", 2, 2)[-2:] == ["--gpu-ids", "0,1"]
 
     def batch(row, gpus, nprocs=2, **sizes):
         options = options_for(row, gpus, nprocs, **sizes)
@@ -231,13 +233,13 @@ def test_every_launch_line_and_the_options_each_row_gets():
     assert options_for("fsdp", grad_accum=2)[-2:] == ["--grad-accum", "2"]
     assert options_for("ddp", profile=5)[-2:] == ["--profile", "5"]
     assert "--profile" not in options_for("hf-trainer", profile=5)  # transformers' own loop
-    assert benchmark_report.global_batch_label({"global_batch": 64, "gradient_accumulation": 2}) == (
+    assert bench_report.global_batch_label({"global_batch": 64, "gradient_accumulation": 2}) == (
         "64 (2 micro-batches)")
 
     assert options_for("ddp", epochs=2, passthrough=["--lr", "1e-4"]) == [
         "--output-dir", "out", "--model", "tiny", "--epochs", "2", "--lr", "1e-4"]
     # --precision reaches the strategies that offer mixed precision, and only those.
-    offered = {entry for entry in benchmark.STRATEGIES if "--precision" in options_for(entry, precision="bf16")}
+    offered = {entry for entry in rows.STRATEGIES if "--precision" in options_for(entry, precision="bf16")}
     assert offered == {"ddp-amp", "deepspeed", "accelerate", "fsdp", "hf-trainer", "fabric"}
     # Per-strategy options reach every row of that strategy and no other; a variant's own come last.
     chosen = {"deepspeed": ["--offload", "none"]}
@@ -249,18 +251,18 @@ def test_across_nodes_each_row_runs_its_batch_file_on_the_first_nodes_of_the_job
     """slurm/benchmark.sbatch on 2 nodes with --nnodes 1,2: a row's batch file sees a job of that many
     nodes, one task per node for a launcher per node, one per process for Horovod's srun (the whole
     comparison runs on tests/test_several_machines.py's cluster)."""
-    monkeypatch.setattr(benchmark, "job_hosts", lambda option: ["gpu07", "gpu08"])
-    args = benchmark.parse_args(["--only", "single,dataparallel,ddp", "--nnodes", "1,2", "--nprocs", "4"], gpus=0)
-    assert [cell["row"] for cell in benchmark.plan(args, gpus=0)] == [
+    monkeypatch.setattr(options, "job_hosts", lambda option: ["gpu07", "gpu08"])
+    args = options.parse_args(["--only", "single,dataparallel,ddp", "--nnodes", "1,2", "--nprocs", "4"], gpus=0)
+    assert [cell["row"] for cell in options.plan(args, gpus=0)] == [
         "single", "dataparallel", "ddp-nodes1", "ddp-nodes2"]
-    assert set(benchmark.BATCH_FILES) == {entry.launcher for entry in benchmark.STRATEGIES.values()
+    assert set(rows.BATCH_FILES) == {entry.launcher for entry in rows.STRATEGIES.values()
                                           if entry.distributed}
-    command, env = benchmark.launch_across_nodes(benchmark.STRATEGIES["horovod"], 1, 4, benchmark.ROOT / "out",
+    command, env = rows.launch_across_nodes(rows.STRATEGIES["horovod"], 1, 4, rows.ROOT / "out",
                                                  args.hosts)
     assert command == ["bash", "slurm/horovod.sbatch"] and env["SCRIPT"] == "multi-gpu-horovod-cls.py"
     assert [env[name] for name in ("SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
                                    "GPUS_PER_NODE", "OUTPUT_DIR")] == ["gpu07", "1", "4", "4", "4", "out"]
-    command, env = benchmark.launch_across_nodes(benchmark.STRATEGIES["fsdp"], 2, 4, benchmark.ROOT / "out",
+    command, env = rows.launch_across_nodes(rows.STRATEGIES["fsdp"], 2, 4, rows.ROOT / "out",
                                                  args.hosts)
     assert command == ["bash", "slurm/torchrun.sbatch"] and env["SCRIPT"] == "multi-gpu-fsdp-cls.py"
     assert env["MAX_RESTARTS"] == "0"  # a failing row fails, as on one machine
@@ -269,9 +271,9 @@ def test_across_nodes_each_row_runs_its_batch_file_on_the_first_nodes_of_the_job
     # The global batch is shared by every process of every node: 36 splits over 4, not over 2 x 4.
     with pytest.raises(cli.UserError, match=r"--global-batch 36 does not split evenly over 8 processes \(--nprocs 4 "
                                             r"x --nnodes 1,2\)"):
-        benchmark.parse_args(["--nnodes", "1,2", "--nprocs", "4", "--global-batch", "36"], gpus=0)
+        options.parse_args(["--nnodes", "1,2", "--nprocs", "4", "--global-batch", "36"], gpus=0)
     with pytest.raises(cli.UserError, match="--nnodes 3: this Slurm job has 2 node"):
-        benchmark.parse_args(["--nnodes", "3"], gpus=0)
+        options.parse_args(["--nnodes", "3"], gpus=0)
 
 
 def test_a_launcher_not_beside_the_python_is_taken_from_the_path(tmp_path, monkeypatch):
@@ -282,28 +284,28 @@ def test_a_launcher_not_beside_the_python_is_taken_from_the_path(tmp_path, monke
     for launcher in (venv / "torchrun", elsewhere / "deepspeed"):
         launcher.write_text("#!/bin/sh\n")
         launcher.chmod(0o755)
-    monkeypatch.setattr(benchmark, "BIN", venv)
+    monkeypatch.setattr(rows, "BIN", venv)
     monkeypatch.setenv("PATH", str(elsewhere))
-    assert benchmark.executable("torchrun") == str(venv / "torchrun")
-    assert benchmark.executable("deepspeed") == str(elsewhere / "deepspeed")
-    assert benchmark.executable("horovodrun") == str(venv / "horovodrun")  # nowhere: its row says so
+    assert rows.executable("torchrun") == str(venv / "torchrun")
+    assert rows.executable("deepspeed") == str(elsewhere / "deepspeed")
+    assert rows.executable("horovodrun") == str(venv / "horovodrun")  # nowhere: its row says so
 
 
 def test_an_emulated_precision_and_the_zero_stage_are_marked_in_the_table():
     row = {"precision": "bf16", "precision_native": False, "device": "cpu"}
-    assert benchmark_report.precision_label(row) == "bf16, emulated on this CPU"
-    assert benchmark_report.precision_label({**row, "precision_native": True}) == "bf16"
-    assert benchmark_report.row_label({"row": "deepspeed", "zero_stage": 2}) == "deepspeed (ZeRO-2)"
-    assert benchmark_report.row_label({"row": "deepspeed-zero3", "zero_stage": 3}) == "deepspeed-zero3"
+    assert bench_report.precision_label(row) == "bf16, emulated on this CPU"
+    assert bench_report.precision_label({**row, "precision_native": True}) == "bf16"
+    assert bench_report.row_label({"row": "deepspeed", "zero_stage": 2}) == "deepspeed (ZeRO-2)"
+    assert bench_report.row_label({"row": "deepspeed-zero3", "zero_stage": 3}) == "deepspeed-zero3"
 
 
 def test_more_processes_than_cores_are_said_to_prove_the_mechanics_not_the_speed():
     report = json.loads((ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json").read_text(encoding="utf-8"))
     report["machine"].update(cores=2, gpus=[])
     report["counts"] = [1, 2]
-    assert not any("exceed" in line for line in benchmark_report.header_lines(report))
+    assert not any("exceed" in line for line in bench_report.header_lines(report))
     report["counts"] = [1, 3, 4]
-    assert benchmark_report.header_lines(report)[-1] == (
+    assert bench_report.header_lines(report)[-1] == (
         "note: 3 and 4 processes exceed the 2 usable cores: those runs prove the mechanics, not the speed")
 
 
@@ -313,27 +315,27 @@ def test_a_speedup_within_the_noise_floor_of_another_is_marked():
                 "processes": 2, "status": "ok", "runs": [{}] * len(seconds), "samples_per_second": samples_per_second,
                 "relative_spread": round((max(seconds) - min(seconds)) / sorted(seconds)[0], 4)}
     report = {"rows": [row("single", 100.0, [10.0, 10.5]), row("a", 120.0, [8.0, 8.2]), row("b", 124.0, [8.1, 8.3])]}
-    benchmark.add_figures(report)
+    bench_run.add_figures(report)
     assert report["noise_floor"] == 0.05
     single, a, b = report["rows"]
     assert a["indistinguishable_from"] == ["b"] and b["indistinguishable_from"] == ["a"]
     assert single["indistinguishable_from"] == []
-    assert benchmark_report.speedup_cell(a) == "1.20x ~" and benchmark_report.speedup_cell(single) == "1.00x"
+    assert bench_report.speedup_cell(a) == "1.20x ~" and bench_report.speedup_cell(single) == "1.00x"
 
 
 def test_missing_script_or_dependency_is_a_reason_not_a_crash(tmp_path):
-    missing_script = benchmark.Entry("x", "no-such-script.py", "python", benchmark.launch_single)
-    assert benchmark.why_not_ready(missing_script, "python") == "script no-such-script.py not found"
-    missing_module = benchmark.Entry("x", "single-gpu-cls.py", "python", benchmark.launch_single,
+    missing_script = rows.Entry("x", "no-such-script.py", "python", rows.launch_single)
+    assert rows.why_not_ready(missing_script, "python") == "script no-such-script.py not found"
+    missing_module = rows.Entry("x", "single-gpu-cls.py", "python", rows.launch_single,
                                      needs="no_such_module_here")
-    assert "needs the Python module no_such_module_here" in benchmark.why_not_ready(missing_module, "python")
+    assert "needs the Python module no_such_module_here" in rows.why_not_ready(missing_module, "python")
 
     log = tmp_path / "x.log"
     log.write_text("$ horovodrun ...\n[1]<stderr>:error: rank 1 failed: RuntimeError: boom\n"
                    "[0]<stderr>:error: rank 0 failed: RuntimeError: Connection closed by peer\n", encoding="utf-8")
-    assert benchmark.failure_reason(log) == "error: rank 1 failed: RuntimeError: boom"
+    assert bench_run.failure_reason(log) == "error: rank 1 failed: RuntimeError: boom"
     log.write_text("Traceback (most recent call last):\nValueError: bad\nexit\n", encoding="utf-8")
-    assert benchmark.failure_reason(log) == "ValueError: bad"
+    assert bench_run.failure_reason(log) == "ValueError: bad"
 
 
 def test_a_row_whose_optional_library_is_missing_is_not_run_and_does_not_fail_the_run(tmp_path, monkeypatch,
@@ -341,12 +343,12 @@ def test_a_row_whose_optional_library_is_missing_is_not_run_and_does_not_fail_th
     """Horovod's build can fail while the rest installs: ./run.sh then lists its row as not run, with the
     reason, and exits 0 when the rows that could run succeeded. In this process, each launch answered by
     a committed run's result: the decision is the runner's, not the launches'."""
-    committed = json.loads(benchmark.REFERENCE_RUN.read_text(encoding="utf-8"))
+    committed = json.loads(estimate.REFERENCE_RUN.read_text(encoding="utf-8"))
     results = {row["row"]: row["runs"][0] for row in committed["rows"]}
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "horovod"
                         else find_spec(name, *rest))
-    monkeypatch.setattr(benchmark, "launch_once", lambda command, env, shown, run_dir, log, timeout: (
+    monkeypatch.setattr(bench_run, "launch_once", lambda command, env, shown, run_dir, log, timeout: (
         results[run_dir.name], 1.0, None))
     monkeypatch.setattr(benchmark, "measure_matmul_peaks", lambda rows: {})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -395,7 +397,7 @@ def test_every_published_run_is_whole_and_the_readme_quotes_one_with_a_noise_flo
     assert folders, "docs/results/ holds no published run"
     for folder in folders:
         assert all((folder / name).is_file() for name in ("benchmark.md", "benchmark.json", "benchmark.png")), folder
-    assert json.loads(benchmark.REFERENCE_RUN.read_text(encoding="utf-8"))["repeat"] >= 2
+    assert json.loads(estimate.REFERENCE_RUN.read_text(encoding="utf-8"))["repeat"] >= 2
     assert "(docs/results/amd-epyc-2-cores/benchmark.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
@@ -403,44 +405,44 @@ def test_more_processes_than_gpus_are_refused_before_any_launch():
     """Each process takes one GPU: on 2 GPUs a sweep to 4 would fail at its first 4-process row, after
     the others had run. CPU processes (--device cpu) have no such limit."""
     with pytest.raises(cli.UserError, match="--nprocs 1,2,4: this machine has 2 GPU"):
-        benchmark.parse_args(["--nprocs", "1,2,4"], gpus=2)
-    assert benchmark.parse_args(["--nprocs", "1,2"], gpus=2).counts == [1, 2]
-    assert benchmark.parse_args(["--nprocs", "4", "--device", "cpu"], gpus=2).counts == [4]
-    assert benchmark.parse_args(["--nprocs", "4"], gpus=0).counts == [4]
+        options.parse_args(["--nprocs", "1,2,4"], gpus=2)
+    assert options.parse_args(["--nprocs", "1,2"], gpus=2).counts == [1, 2]
+    assert options.parse_args(["--nprocs", "4", "--device", "cpu"], gpus=2).counts == [4]
+    assert options.parse_args(["--nprocs", "4"], gpus=0).counts == [4]
 
 
 def test_without_a_gpu_the_runner_trains_the_tiny_model_unless_told_otherwise(monkeypatch):
     """Eleven rows of the real BERT on a laptop's CPU take hours: without GPUs and without --model the
     runner picks the tiny model and says why; a --model given, or GPUs, keep the scripts' choice."""
     monkeypatch.setattr(models, "resolve_model", lambda choice: "hub-model" if choice == "auto" else choice)
-    model, note = benchmark.resolve_model(None, gpus=0)
+    model, note = provenance.resolve_model(None, gpus=0)
     assert model == "tiny" and "no GPU" in note
-    assert benchmark.resolve_model(None, gpus=1) == ("hub-model", None)
-    assert benchmark.resolve_model("auto", gpus=0) == ("hub-model", None)
+    assert provenance.resolve_model(None, gpus=1) == ("hub-model", None)
+    assert provenance.resolve_model("auto", gpus=0) == ("hub-model", None)
 
 
 def test_the_plan_says_how_long_it_should_take(monkeypatch):
     """Before the first launch: the tiny model from the committed run's rows on 2 cores, a real-size
     model on a CPU from one timed step (hours), GPUs without an estimate."""
-    reference = json.loads(benchmark.REFERENCE_RUN.read_text(encoding="utf-8"))
+    reference = json.loads(estimate.REFERENCE_RUN.read_text(encoding="utf-8"))
     minutes = sum(row["wall_seconds"] for row in reference["rows"]) / 60
-    args = benchmark.parse_args([], gpus=0)
-    cells = benchmark.plan(args, gpus=0)
+    args = options.parse_args([], gpus=0)
+    cells = options.plan(args, gpus=0)
     assert len(cells) == len(reference["rows"]) == 11
-    assert benchmark.expected_duration(args, cells, "tiny", gpus=0).startswith(
+    assert estimate.expected_duration(args, cells, "tiny", gpus=0).startswith(
         f"plan: 11 launch(es), about {minutes:.0f} minutes on 2 cores as in docs/results/amd-epyc-2-cores")
-    twice = benchmark.parse_args(["--repeat", "2", "--only", "single,deepspeed"], gpus=0)
+    twice = options.parse_args(["--repeat", "2", "--only", "single,deepspeed"], gpus=0)
     walls = {row["row"]: row["wall_seconds"] for row in reference["rows"]}
-    assert f"about {(walls['single'] + walls['deepspeed']) * 2 / 60:.0f} minutes" in benchmark.expected_duration(
-        twice, benchmark.plan(twice, gpus=0), "tiny", gpus=0)
-    monkeypatch.setattr(benchmark, "time_one_step", lambda args: 3.0)
-    real = benchmark.expected_duration(args, cells, "model_hub/chinese-bert-wwm-ext", gpus=0)
+    assert f"about {(walls['single'] + walls['deepspeed']) * 2 / 60:.0f} minutes" in estimate.expected_duration(
+        twice, options.plan(twice, gpus=0), "tiny", gpus=0)
+    monkeypatch.setattr(estimate, "time_one_step", lambda args: 3.0)
+    real = estimate.expected_duration(args, cells, "model_hub/chinese-bert-wwm-ext", gpus=0)
     hours = float(re.search(r"about ([\d.]+) hours", real).group(1))
     # 11 launches, each an epoch of 9,200 samples in batches of 32 at 3 s a batch over the cores.
-    assert hours == pytest.approx(11 * (benchmark.LAUNCH_SECONDS + 3.0 * 9200 / 32 / machine.usable_cores()) / 3600,
+    assert hours == pytest.approx(11 * (estimate.LAUNCH_SECONDS + 3.0 * 9200 / 32 / machine.usable_cores()) / 3600,
                                   abs=0.05)
     assert "--model tiny" in real
-    assert benchmark.expected_duration(args, cells, "auto", gpus=2) == (
+    assert estimate.expected_duration(args, cells, "auto", gpus=2) == (
         "plan: 11 launch(es) on 2 GPU(s); no estimate for GPUs yet")
 
 
@@ -448,7 +450,7 @@ def test_the_chart_draws_only_the_panels_the_run_has_figures_for():
     """A default run has no sweep and no profile: its chart must not show their panels empty."""
     row = {"status": "ok", "speedup": 1.0, "model_state_bytes": {"total": 1}}
     default = {"rows": [row], "counts": [2]}
-    from benchmark_report import (accuracy_chart, chart_panels, memory_chart, mfu_chart, phase_chart,
+    from bench.report import (accuracy_chart, chart_panels, memory_chart, mfu_chart, phase_chart,
                                   scaling_chart, speedup_chart, time_chart)
     assert chart_panels(default) == [time_chart, accuracy_chart, speedup_chart, memory_chart]
     swept = {"rows": [{**row, "speedup_vs_1_process": 1.8, "profile": {"phases_ms": {}}}], "counts": [1, 2]}
@@ -459,15 +461,16 @@ def test_the_chart_draws_only_the_panels_the_run_has_figures_for():
 
 
 def test_the_report_presents_from_the_report_alone():
-    """benchmark_report.py reads the report dict (benchmark.json) and nothing else: no torch, no common."""
-    loaded = run([PYTHON, "-c", "import sys, benchmark_report; print(sorted({'torch', 'common'} & set(sys.modules)))"])
+    """report.py reads the report dict (benchmark.json) and nothing else: no torch, no common."""
+    loaded = run([PYTHON, "-c", "import sys, bench.report; print(sorted({'torch', 'common'} & set(sys.modules)))"])
     assert loaded.stdout.strip() == "[]"
 
 
 def test_the_runner_plans_without_torch():
     """benchmark.py plans from cli.py and files.py alone: torch, and the modules that import it, load
     only for the run (timing a step, describing the machine, resolving the model)."""
-    plan = ("import sys, benchmark; cells = benchmark.plan(benchmark.parse_args(['--nprocs', '1,2'], gpus=0), gpus=0); "
+    plan = ("import sys, benchmark; from bench import options; "
+            "cells = options.plan(options.parse_args(['--nprocs', '1,2'], gpus=0), gpus=0); "
             "print(len(cells), sorted({'torch', 'common', 'machine', 'models'} & set(sys.modules)))")
     planned, loaded = run([PYTHON, "-c", plan]).stdout.split(maxsplit=1)
     assert int(planned) > 1 and loaded.strip() == "[]"
@@ -483,5 +486,5 @@ def test_a_stopped_launch_leaves_no_process_of_its_own(tmp_path):
     while not processes_mentioning(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.2)  # its trap set
-    benchmark.stop(launch)
+    bench_run.stop(launch)
     assert processes_mentioning(marker) == []

@@ -79,8 +79,8 @@ def test_the_published_runs_were_made_by_the_commands_the_pages_show():
     behind its table: each, parsed as benchmark.py parses it, plans the rows and settings its JSON
     records, and publishes into that folder."""
     import shlex
-    import benchmark
-    import benchmark_report
+    from bench import options, rows
+    from bench import report as bench_report
     page = (ROOT / "docs" / "benchmark.md").read_text(encoding="utf-8")
     shown = {match["folder"]: match["command"] for match in PUBLISHED_RUN.finditer(page)}
     assert shown.keys() == {path.name for path in (ROOT / "docs" / "results").iterdir() if path.is_dir()}
@@ -90,14 +90,14 @@ def test_the_published_runs_were_made_by_the_commands_the_pages_show():
         assert argv[:2] == ["python", "benchmark.py"] or argv[0] == "./run.sh", command
         argv = argv[1:] if argv[0] == "./run.sh" else argv[2:]
         gpus = len(recorded["machine"]["gpus"])
-        args = benchmark.parse_args(argv, gpus=gpus)
+        args = options.parse_args(argv, gpus=gpus)
         # --output-dir as typed, or the default as benchmark.py records it
-        output_dir = argv[argv.index("--output-dir") + 1] if "--output-dir" in argv else benchmark.relative(args.output_dir)
+        output_dir = argv[argv.index("--output-dir") + 1] if "--output-dir" in argv else rows.relative(args.output_dir)
         assert args.publish is not None and output_dir == recorded["output_dir"], folder
-        assert benchmark_report.results_folder(recorded, args.publish) == folder, f"{command} publishes elsewhere"
+        assert bench_report.results_folder(recorded, args.publish) == folder, f"{command} publishes elsewhere"
         assert (args.repeat, args.nprocs, args.max_steps, args.passthrough, args.model or "tiny") == (
             recorded["repeat"], recorded["nprocs"], recorded["max_steps"], recorded["passthrough"], recorded["model"]), folder
-        assert [cell["row"] for cell in benchmark.plan(args, gpus=gpus)] == [row["row"] for row in recorded["rows"]], folder
+        assert [cell["row"] for cell in options.plan(args, gpus=gpus)] == [row["row"] for row in recorded["rows"]], folder
     measured = words(section(README, "## Measured", "## The strategies"))
     assert f"`{shown['amd-epyc-2-cores']}` on 2 cores" in measured
 

@@ -7,7 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "docs" / "results"
 
 # ----------------------------------------------------------------------------- the tables

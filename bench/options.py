@@ -1,0 +1,279 @@
+"""The runner's command line and its plan: which rows to run, at which process counts, with which
+options for each script. Imports no torch."""
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+from support import cli, files
+
+from .rows import (BUILT_IN_VARIANTS, DEFAULT_ROWS, ROOT, SCRIPT_BATCH_SIZE, STRATEGIES, Variant, job_hosts, python,
+                   relative)
+
+
+# --real-size: every default row and every ZeRO stage at 2 processes, the sharded rows also at 4 (to show
+# the 1/N), with the real model's architecture (--model base-shape) for a few steps each.
+REAL_SIZE_EXTRA_ROWS = ["deepspeed-zero1", "deepspeed-zero3"]
+REAL_SIZE_SHARDED_ROWS = {"deepspeed", "deepspeed-zero1", "deepspeed-zero3", "fsdp"}
+REAL_SIZE_COUNTS, REAL_SIZE_SHARDED_COUNTS = [2], [2, 4]
+# 4 steps: the model state is counted before step 2, --profile's 2 steps follow 2 warm-up steps. Batch 8
+# keeps a BERT-base step to seconds on a CPU core; 1,000 samples leave 80 dev samples to evaluate.
+REAL_SIZE_DEFAULTS = {"max_steps": 4, "profile": 2, "batch_size": 8, "max_samples": 1000}
+
+
+def parse_args(argv, gpus, description=None):
+    """The command line; `gpus` (gpu_count()) sets the default --nprocs; `description`: benchmark.py's."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Any other option goes to every script as it is (--lr, --seed, "
+                                            "--dev-ratio, ...): `python single-gpu-cls.py --help` lists them.")
+    parser.add_argument("--only", help="comma-separated rows to run: strategies or variants (default: one row per "
+                                       f"strategy, {','.join(STRATEGIES)}; --list shows the variants)")
+    parser.add_argument("--skip", help="comma-separated rows to leave out")
+    parser.add_argument("--list", action="store_true", help="list the strategies and variants, then exit")
+    parser.add_argument("--variant", action="append", default=[], metavar='NAME=STRATEGY:"OPTIONS"',
+                        help="define a row of your own, e.g. zero3-cpu-adam=deepspeed:\"--zero-stage 3 --offload "
+                             "optimizer\"; it runs with the default rows, or when named in --only (repeatable)")
+    parser.add_argument("--strategy-args", action="append", default=[], metavar='STRATEGY="OPTIONS"',
+                        help="options for every row of one strategy only, e.g. deepspeed=\"--zero-stage 3\" "
+                             "(repeatable)")
+    parser.add_argument("--nprocs", default=str(gpus or 2),
+                        help="processes (GPUs) per distributed row; a list like 1,2,4 runs a scaling sweep "
+                             "(default: all GPUs, or 2 without GPU: %(default)s here)")
+    parser.add_argument("--nnodes",
+                        help="in a Slurm job (slurm/benchmark.sbatch): nodes per distributed row, each row run by its "
+                             "batch file of slurm/ with --nprocs processes on each node; a list like 1,2 sweeps "
+                             "(default: this machine alone)")
+    parser.add_argument("--model",
+                        help="as the scripts' --model, resolved once here and passed to all (default: auto on a "
+                             "machine with GPUs; tiny without, where the real model would take hours)")
+    parser.add_argument("--max-samples", type=int, help="passed to every script (default: the scripts' 10000)")
+    parser.add_argument("--epochs", type=int, help="passed to every script (default: the scripts' 1)")
+    parser.add_argument("--max-steps", type=int, metavar="N",
+                        help="every script stops after N optimizer steps, then evaluates (default: the whole epochs)")
+    parser.add_argument("--real-size", action="store_true",
+                        help="the real model's architecture (--model base-shape, random weights): every default row "
+                             "and ZeRO-1/3 at 2 processes, the sharded rows also at 4, with --max-steps "
+                             f"{REAL_SIZE_DEFAULTS['max_steps']} --profile {REAL_SIZE_DEFAULTS['profile']} "
+                             f"--batch-size {REAL_SIZE_DEFAULTS['batch_size']} --max-samples "
+                             f"{REAL_SIZE_DEFAULTS['max_samples']} unless given; estimates its duration first")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="launches per row, interleaved round-robin over the rows; the table shows the median "
+                             "run, the min-max spread and the noise floor (default: 1)")
+    parser.add_argument("--batch-size", type=int,
+                        help="per device, for every row (default: the scripts' 32); DataParallel's one process "
+                             "gets it times its GPUs")
+    parser.add_argument("--grad-accum", type=int, metavar="N",
+                        help="micro-batches per optimizer step, for every row (default: the scripts' 1): the "
+                             "global batch is the batch per device x devices x N")
+    parser.add_argument("--global-batch", type=int,
+                        help="the same global batch for every row and process count (strong scaling): per-device "
+                             "batch = N / devices")
+    parser.add_argument("--precision", choices=cli.PRECISIONS,
+                        help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate, fsdp, hf-trainer, "
+                             "fabric); the "
+                             "others stay in fp32 (default: the scripts' own: fp32, and for ddp-amp fp16 on GPUs, "
+                             "bf16 on CPU)")
+    parser.add_argument("--profile", type=int, metavar="STEPS",
+                        help="every script records STEPS steps with torch.profiler: the anatomy table and chart "
+                             "panel show each step's time by phase (train s then includes the profiler's cost; "
+                             "hf-trainer runs transformers' own loop and is not profiled)")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds one launch may take before it is killed (default: %(default)g)")
+    parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
+                        help="where the table, chart, logs and each run's files go (default: output/benchmark)")
+    parser.add_argument("--publish", nargs="?", const="", metavar="SUFFIX",
+                        help="also copy the tables, JSON and chart to docs/results/<machine>[-<model>][-SUFFIX]/ "
+                             "(a SUFFIX keeps the run beside another of the same machine and model)")
+    args, passthrough = parser.parse_known_args(argv)
+    args = check_args(args, passthrough, parser.get_default("nprocs"))
+    if gpus and max(args.counts) > gpus and "cpu" not in passthrough:  # one GPU per process: say so before any launch
+        raise cli.UserError(f"--nprocs {args.nprocs}: this machine has {gpus} GPU(s) and each process takes one; "
+                            "hide them to run CPU processes: CUDA_VISIBLE_DEVICES= ./run.sh --device cpu")
+    if args.node_counts:
+        args.hosts = job_hosts(args.nnodes)
+        if max(args.node_counts) > len(args.hosts):
+            raise cli.UserError(f"--nnodes {args.nnodes}: this Slurm job has {len(args.hosts)} node(s); ask sbatch "
+                                "for more with --nodes")
+    return args
+
+
+def split_assignment(value, separator):
+    name, found, rest = value.partition(separator)
+    if not found or not name.strip():
+        return None, None
+    return name.strip(), rest
+
+
+def parse_variant(value):
+    """NAME=STRATEGY:"OPTIONS" -> a Variant."""
+    name, rest = split_assignment(value, "=")
+    strategy, options = split_assignment(rest or "", ":") if name else (None, None)
+    if not strategy:
+        raise cli.UserError(f'--variant {value!r}: write NAME=STRATEGY:"OPTIONS", e.g. '
+                            'zero3-cpu-adam=deepspeed:"--zero-stage 3 --offload optimizer"')
+    if strategy not in STRATEGIES:
+        raise cli.UserError(f"--variant {name}: unknown strategy {strategy}; choose from {','.join(STRATEGIES)}")
+    return Variant(name, strategy, tuple(shlex.split(options)), "from the command line")
+
+
+def parse_strategy_args(values):
+    """STRATEGY="OPTIONS" (repeatable) -> {strategy: [options]}."""
+    chosen = {}
+    for value in values:
+        strategy, options = split_assignment(value, "=")
+        if strategy not in STRATEGIES:
+            raise cli.UserError(f"--strategy-args {value!r}: write STRATEGY=\"OPTIONS\" with a strategy from "
+                                f"{','.join(STRATEGIES)}")
+        chosen[strategy] = chosen.get(strategy, []) + shlex.split(options)
+    return chosen
+
+
+def parse_counts(value, option="--nprocs", what="process"):
+    try:
+        counts = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(count < 1 for count in counts) or len(set(counts)) != len(counts):
+        raise cli.UserError(f"{option} takes {what} counts of at least 1, like 2 or 1,2,4; got {value!r}")
+    return sorted(counts)
+
+
+def names(option, value, known):
+    chosen = [name.strip() for name in value.split(",") if name.strip()]
+    if not chosen:
+        raise cli.UserError(f"{option} names no row; choose from {','.join(known)} (--list describes them)")
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        raise cli.UserError(f"{option}: unknown row {', '.join(unknown)}; choose from {','.join(known)} "
+                            "(--list describes them)")
+    return chosen
+
+
+def check_args(args, passthrough, default_nprocs):
+    if args.real_size:
+        apply_real_size(args, default_nprocs)
+    for name in ("repeat", "max_samples", "epochs", "max_steps", "batch_size", "global_batch", "profile"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise cli.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.timeout <= 0:
+        raise cli.UserError(f"--timeout must be positive, got {args.timeout:g}")
+    if args.publish and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.publish):
+        raise cli.UserError(f"--publish {args.publish}: a suffix of lower-case letters, digits and dashes, e.g. compile")
+    args.counts = parse_counts(args.nprocs)
+    args.node_counts = parse_counts(args.nnodes, "--nnodes", "node") if args.nnodes else None
+    own = [parse_variant(value) for value in args.variant]
+    args.variants = {variant.name: variant for variant in BUILT_IN_VARIANTS + own}
+    args.strategy_options = parse_strategy_args(args.strategy_args)
+    defaults = [v.name for v in DEFAULT_ROWS + own] + (REAL_SIZE_EXTRA_ROWS if args.real_size else [])
+    chosen = names("--only", args.only, args.variants) if args.only is not None else defaults
+    skip = names("--skip", args.skip, args.variants) if args.skip is not None else []
+    args.rows = [args.variants[name] for name in dict.fromkeys(chosen) if name not in skip]
+    if not args.rows and not args.list:
+        raise cli.UserError("--only and --skip leave no row to run")
+    if args.global_batch:
+        if args.batch_size:
+            raise cli.UserError("--global-batch sets each script's --batch-size: pass one or the other")
+        micro = args.grad_accum or 1
+        uneven = [count for count in world_sizes(args) if args.global_batch % (count * micro)]
+        if uneven:
+            raise cli.UserError(f"--global-batch {args.global_batch} does not split evenly over "
+                                f"{' and '.join(map(str, uneven))} processes (--nprocs {args.nprocs}"
+                                + (f" x --nnodes {args.nnodes})" if args.node_counts else ")")
+                                + (f" x {micro} micro-batches" if micro > 1 else ""))
+    args.passthrough = passthrough
+    args.output_dir = Path(args.output_dir).resolve()
+    return args
+
+
+def world_sizes(args):
+    """The process counts of the distributed rows: --nprocs on each of --nnodes nodes."""
+    return sorted({nnodes * nprocs for nnodes in args.node_counts or [1] for nprocs in args.counts})
+
+
+def apply_real_size(args, default_nprocs):
+    """--real-size: base-shape at 2 processes (the plan adds 4 for the sharded rows), and the plan's
+    defaults where the command line gives none."""
+    if args.model not in (None, "base-shape"):
+        raise cli.UserError(f"--real-size trains --model base-shape, not {args.model}: leave --model out")
+    if args.nprocs != default_nprocs:
+        raise cli.UserError("--real-size runs 2 processes per row, and 4 for the sharded ones: leave --nprocs out")
+    args.model, args.nprocs = "base-shape", ",".join(map(str, REAL_SIZE_COUNTS))
+    for name, value in REAL_SIZE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def list_rows(variants):
+    print("Strategies and variants (a variant is a strategy plus options; --only picks rows, --variant adds one):")
+    width = max(len(name) for name in variants)
+    options_width = max(len(" ".join(variant.options)) for variant in variants.values())
+    for variant in variants.values():
+        options = " ".join(variant.options) or "-"
+        default = " [default row]" if variant in DEFAULT_ROWS else ""
+        gpu = " [GPU only]" if variant.needs_gpu else ""
+        print(f"  {variant.name:<{width}}  {variant.strategy:<12}  {options:<{options_width}}  "
+              f"{variant.about}{default}{gpu}")
+
+
+def devices(entry, nprocs, gpus):
+    """How many model replicas share each global batch."""
+    if entry.name == "single" or (entry.splits_batch and not gpus):
+        return 1
+    return nprocs
+
+
+def batch_options(args, entry, gpus, nprocs):
+    """--batch-size for the script, so that every device gets the same share of a batch."""
+    replicas = devices(entry, nprocs, gpus)
+    per_device = args.global_batch // (replicas * (args.grad_accum or 1)) if args.global_batch else args.batch_size
+    if entry.splits_batch and replicas > 1:
+        return ["--batch-size", str((per_device or SCRIPT_BATCH_SIZE) * replicas)]
+    return ["--batch-size", str(per_device)] if per_device else []
+
+
+def script_options(args, variant, run_dir, model, gpus, nprocs):
+    """What a script gets after the launcher's part: the options every row shares, then this
+    strategy's and this variant's own."""
+    entry = STRATEGIES[variant.strategy]
+    options = ["--output-dir", relative(run_dir), "--model", model]
+    if args.max_samples:
+        options += ["--max-samples", str(args.max_samples)]
+    if args.epochs:
+        options += ["--epochs", str(args.epochs)]
+    if args.max_steps:
+        options += ["--max-steps", str(args.max_steps)]
+    if args.precision and entry.mixed_precision:
+        options += ["--precision", args.precision]
+    if args.grad_accum:
+        options += ["--grad-accum", str(args.grad_accum)]
+    if args.profile and entry.profiles:
+        options += ["--profile", str(args.profile)]
+    return (options + batch_options(args, entry, gpus, nprocs) + args.passthrough
+            + args.strategy_options.get(entry.name, []) + list(variant.options))
+
+
+def plan(args, gpus):
+    """The cells to run: each row at each node and process count (rows that depend on neither, once)."""
+    cells = []
+    for variant in args.rows:
+        entry = STRATEGIES[variant.strategy]
+        counts = args.counts if entry.distributed else [1 if entry.name == "single" else args.counts[-1]]
+        if args.real_size and variant.name in REAL_SIZE_SHARDED_ROWS:
+            counts = REAL_SIZE_SHARDED_COUNTS
+        node_counts = args.node_counts if args.node_counts and entry.distributed else [1]
+        for nnodes in node_counts:
+            for nprocs in counts:
+                name = (variant.name + (f"-nodes{nnodes}" if len(node_counts) > 1 else "")
+                        + (f"-n{nprocs}" if entry.distributed and len(counts) > 1 else ""))
+                cells.append({"row": name, "variant": variant.name, "strategy": entry.name, "script": entry.script,
+                              "launcher": entry.launcher, "nnodes": nnodes, "nprocs": nprocs,
+                              "options": list(variant.options), "log": relative(args.output_dir / f"{name}.log"),
+                              "status": "pending", "reason": None, "runs": []})
+    return cells
+
+
+def not_runnable(variant, gpus):
+    if variant.needs_gpu and not gpus:
+        return f"{variant.name} needs a GPU ({variant.about})"
+    return None

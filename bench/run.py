@@ -1,0 +1,281 @@
+"""Launching the rows: round-robin over the repeats, each launch in its own session with a timeout,
+its result.json summarised into a row of the report, and the matrix-product peaks the MFU needs."""
+import contextlib
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from support import cli, files, flops
+
+from .estimate import processes
+from .options import devices, not_runnable, script_options
+from .rows import (BATCH_FILES, CANNOT_SPAN_NODES, ROOT, STRATEGIES, launch_across_nodes, library_missing, relative,
+                   why_not_ready)
+
+
+class Progress:
+    """In a terminal, one updating line: the launch running and the time left for the whole
+    benchmark. Otherwise (CI, a log file), one plain line per finished launch."""
+
+    def __init__(self, total):
+        self.interactive = sys.stdout.isatty()
+        self.bar = tqdm(total=total, unit="launch", dynamic_ncols=True) if self.interactive else None
+        self.total, self.done = total, 0
+
+    def start(self, label):
+        if self.bar:
+            self.bar.set_description(label)
+
+    def finish(self, label, message):
+        self.done += 1
+        if self.bar:
+            self.bar.update()
+            if not message.startswith("ok"):
+                self.bar.write(f"{label}: {message}")
+        else:
+            print(f"[{self.done}/{self.total}] {label}: {message}", flush=True)
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+
+
+def run_all(args, cells, model, gpus, after_each):
+    """Launch every cell --repeat times, round-robin: repeat 1 of every cell, then repeat 2, ...;
+    `after_each()` runs after every launch (to keep the report up to date)."""
+    progress = Progress(len(cells) * args.repeat)
+    for cell in cells:
+        (args.output_dir / f"{cell['row']}.log").unlink(missing_ok=True)
+    try:
+        for repeat in range(1, args.repeat + 1):
+            for cell in cells:
+                label = f"{cell['row']} run {repeat}/{args.repeat}"
+                if cell["status"] in ("failed", "skipped", "not run"):
+                    progress.finish(label, f"not run: {cell['status']}")
+                    continue
+                progress.start(label)
+                progress.finish(label, launch_cell(args, cell, model, gpus))
+                after_each()
+    finally:
+        progress.close()
+
+
+def launch_cell(args, cell, model, gpus):
+    """One launch of `cell`; its run is added to the cell, or the cell is marked failed or skipped."""
+    variant, entry = args.variants[cell["variant"]], STRATEGIES[cell["strategy"]]
+    run_dir, log_path = args.output_dir / cell["row"], args.output_dir / f"{cell['row']}.log"
+    # Each launch gets a new free port.
+    if args.node_counts and entry.launcher in BATCH_FILES:
+        launcher, env = launch_across_nodes(entry, cell["nnodes"], cell["nprocs"], run_dir, args.hosts)
+        launcher_file = launcher[1]  # bash's batch file
+    else:
+        launcher, env = entry.launch(entry.script, cell["nprocs"], gpus), {}
+        launcher_file = launcher[0]
+    command = launcher + script_options(args, variant, run_dir, model, gpus, cell["nnodes"] * cell["nprocs"])
+    cell["command"] = shlex.join([f"{name}={value}" for name, value in env.items()] + command)
+    reason = (why_not_ready(entry, launcher_file) or not_runnable(variant, gpus)
+              or (args.node_counts and CANNOT_SPAN_NODES.get(entry.name)))
+    if reason:
+        log_path.write_text(f"$ {cell['command']}\nnot launched: {reason}\n", encoding="utf-8")
+        # An optional library left out is the set-up's news (its warning said why), not this run's failure;
+        # nor is a row that cannot span nodes.
+        cannot = library_missing(entry) or (args.node_counts and entry.name in CANNOT_SPAN_NODES)
+        status = "not run" if cannot and (ROOT / entry.script).is_file() else "skipped"
+        cell.update(status=status, reason=reason)
+        return f"{status}: {reason}"
+    result, wall, reason = launch_once(command, env, cell["command"], run_dir, log_path, args.timeout)
+    if reason:
+        cell.update(status="failed", reason=reason, wall_seconds=round(wall, 2))
+        return f"FAILED after {wall:.0f} s: {reason} (log: {relative(log_path)})"
+    if args.repeat > 1:
+        files.write_json(run_dir / f"result-{len(cell['runs']) + 1}.json", result)
+    cell["runs"].append({**result, "wall_seconds": round(wall, 2), "launch_command": cell["command"]})
+    cell["status"] = "ok"
+    return (f"ok, {result['train_seconds']:.1f} s training, {wall:.1f} s wall, "
+            f"dev accuracy {result['dev_accuracy']:.4f}")
+
+
+def stop(process):
+    """End the launcher and every process it started (they share its session, which is its process
+    group): waiting for the launcher alone would let a process it started outlive this one."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            process.poll()  # reaps the launcher
+            if not group_runs(process.pid):
+                return
+            time.sleep(0.1)
+
+
+def group_runs(group):
+    """Whether a process of `group` still runs: one that exited and waits for a parent to reap it (a
+    zombie) does not, though signals still reach it."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    if not Path("/proc/self/stat").exists():  # no /proc to tell zombies apart
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            state, _, process_group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(process_group) == group and state != "Z":
+                return True
+    return False
+
+
+def failure_reason(log_path):
+    """The first `error:` line a process printed (the cause; later ones are usually peers that lost
+    their connection), else the last line that mentions an error, else the last line."""
+    lines = [line.strip() for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines()]
+    lines = [line for line in lines if line and not line.startswith("$ ")]
+    for line in lines:
+        position = line.find("error: ")
+        if position == 0 or (position > 0 and line[position - 1] in " :>]"):
+            return line[position:]
+    for line in reversed(lines):
+        if "error" in line.lower() or "exception" in line.lower():
+            return line
+    return lines[-1] if lines else "no output"
+
+
+def launch_once(command, env, shown, run_dir, log_path, timeout):
+    """Run one launch (`command` with the variables `env`, `shown` as a shell line) to its end; returns
+    (result dict or None, wall seconds, reason of a failure)."""
+    result_file = run_dir / "result.json"
+    result_file.unlink(missing_ok=True)  # a failed launch must never report an earlier run's result
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    started = time.time()
+    start = time.perf_counter()
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"$ {shown}\n")
+        log.flush()
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(process)
+            code = None
+        except BaseException:
+            stop(process)
+            raise
+    wall = time.perf_counter() - start
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"$ # exit status {code}, {wall:.1f} s wall\n")
+    if code is None:
+        return None, wall, f"timed out after {timeout:g} s (--timeout)"
+    if code != 0:
+        return None, wall, f"exit status {code}: {failure_reason(log_path)}"
+    if not result_file.is_file() or result_file.stat().st_mtime < started:
+        return None, wall, f"exit status 0 but no fresh {relative(result_file)}"
+    return json.loads(result_file.read_text(encoding="utf-8")), wall, None
+
+
+# What each row's result.json says of its pace against the limit (measure.Throughput).
+THROUGHPUT_FIELDS = ("compiled", "compiled_graphs", "compute_precision", "devices", "first_step_seconds",
+                     "steady_step_seconds", "steady_samples_per_second", "real_tokens_per_second",
+                     "computed_tokens_per_second", "model_flops_per_second", "steady_model_flops_per_second", "mfu",
+                     "peak_tflops", "peak_source", "mfu_note")
+
+
+def summarize(cell):
+    """The cell's median run by training time (the lower middle one for an even count) and the spread."""
+    runs = cell["runs"]
+    if cell["status"] != "ok":
+        return cell
+    median_seconds = statistics.median_low(run["train_seconds"] for run in runs)
+    chosen = next(run for run in runs if run["train_seconds"] == median_seconds)
+    seconds = [run["train_seconds"] for run in runs]
+    return {
+        **cell,
+        "command": chosen["launch_command"],
+        "launcher": chosen["launcher"],
+        "processes": chosen["world_size"],
+        "device": chosen["device"],
+        "threads_per_process": chosen["threads_per_process"],
+        "precision": chosen["precision"],
+        "precision_native": chosen["precision_native"],
+        "zero_stage": chosen.get("zero_stage"),
+        "model": chosen["model"],
+        "global_batch": chosen["global_batch_size"],
+        "gradient_accumulation": chosen.get("gradient_accumulation_steps", 1),
+        "batch_per_process": chosen["batch_size_per_process"],
+        "train_samples": chosen["train_samples"],
+        "epochs": chosen["epochs"],
+        "train_seconds": chosen["train_seconds"],
+        "samples_per_second": chosen["samples_per_second"],
+        "tokens_per_sample": chosen["tokens_per_sample"],
+        "padded_tokens_per_sample": chosen["padded_tokens_per_sample"],
+        "peak_memory_mb": chosen["peak_memory_mb"],
+        "dev_accuracy": chosen["dev_accuracy"],
+        "dev_macro_f1": chosen["dev_macro_f1"],
+        "dev_samples": chosen["dev_samples"],
+        "wall_seconds": chosen["wall_seconds"],
+        "train_seconds_min": min(seconds),
+        "train_seconds_max": max(seconds),
+        "relative_spread": round((max(seconds) - min(seconds)) / median_seconds, 4) if len(runs) > 1 else None,
+        "wall_seconds_min": min(run["wall_seconds"] for run in runs),
+        "wall_seconds_max": max(run["wall_seconds"] for run in runs),
+        "model_state_bytes": chosen.get("model_state_bytes"),
+        "model_state_formula_bytes": chosen.get("model_state_formula_bytes"),
+        "profile": chosen.get("profile"),
+        **{key: chosen.get(key) for key in THROUGHPUT_FIELDS},
+    }
+
+
+def add_figures(report):
+    """Speed-ups over single, scaling against each row's own 1-process run, the noise floor and
+    which speed-ups it cannot tell apart."""
+    rows = [row for row in report["rows"] if row["status"] == "ok"]
+    single = next((row for row in rows if row["strategy"] == "single"), None)
+    for row in rows:
+        row["speedup"] = round(row["samples_per_second"] / single["samples_per_second"], 3) if single else None
+        one = next((other for other in rows if other["variant"] == row["variant"] and other["processes"] == 1
+                    and STRATEGIES[other["strategy"]].distributed), None)
+        if one and STRATEGIES[row["strategy"]].distributed:
+            row["speedup_vs_1_process"] = round(row["samples_per_second"] / one["samples_per_second"], 3)
+            row["scaling_efficiency"] = round(row["speedup_vs_1_process"] / row["processes"], 3)
+    spreads = [row["relative_spread"] for row in rows if row["relative_spread"] is not None]
+    report["noise_floor"] = max(spreads) if spreads else None
+    floor = report["noise_floor"]
+    for row in rows:
+        # Rows whose speed-ups differ by less than the noise floor: their order is not significant.
+        row["indistinguishable_from"] = [
+            other["row"] for other in rows
+            if other is not row and floor is not None and row["speedup"] is not None
+            and abs(row["speedup"] - other["speedup"]) / max(row["speedup"], other["speedup"]) < floor]
+
+
+def measure_matmul_peaks(rows):
+    """This machine's achievable matrix-product rate for each device and precision the rows computed in
+    (microbenchmarks/matmul_peak.py, on all the cores or the first GPU), and each row's MFU against it."""
+    from microbenchmarks import matmul_peak  # imports torch: for the run, not for the planning
+    peaks = {}
+    for row in rows:
+        if row["status"] != "ok" or row.get("compute_precision") is None:
+            continue
+        device = "cuda" if row["device"].startswith("cuda") else "cpu"
+        key = f"{device} {row['compute_precision']}"
+        if key not in peaks:
+            try:
+                peaks[key] = {"tflops": round(matmul_peak.measure(device, row["compute_precision"]), 4)}
+            except (cli.UserError, RuntimeError) as error:
+                peaks[key] = {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
+        flop_per_second = row.get("steady_model_flops_per_second")
+        mfu = flops.mfu(flop_per_second and flop_per_second / row["devices"], peaks[key].get("tflops"))
+        if mfu is not None:
+            row["mfu_measured"] = round(mfu, 4)
+    return peaks
