@@ -68,32 +68,7 @@ def main():
     cells = plan(args, gpus)
     if args.real_size:
         announce_real_size(args, cells)
-    # The distributed rows' process counts (--real-size adds 4 for the sharded rows; --nnodes multiplies).
-    counts = ({cell["nnodes"] * cell["nprocs"] for cell in cells if STRATEGIES[cell["strategy"]].distributed}
-              or set(args.counts))
-    report = {
-        "machine": describe_machine(),
-        "versions": library_versions(),
-        "git": git_state(),
-        "model": relative(model) if Path(model).is_dir() else model,
-        "model_note": model_note,
-        "nprocs": args.nprocs,
-        "nnodes": args.nnodes,
-        "counts": sorted(counts),
-        "max_steps": args.max_steps,
-        "repeat": args.repeat,
-        "spread": "min-max over the repeats; the row is the run with the median training time",
-        "noise_floor": None,
-        "global_batch": args.global_batch,
-        "precision": args.precision,
-        "strategy_args": args.strategy_options,
-        "passthrough": args.passthrough,
-        "output_dir": relative(args.output_dir),
-        "started": datetime.datetime.now().isoformat(timespec="seconds"),
-        "finished": None,
-        "all_succeeded": None,
-        "rows": cells,
-    }
+    report = new_report(args, cells, model, model_note)
     for line in benchmark_report.header_lines(report)[:4]:
         print(line, flush=True)
     duration = expected_duration(args, cells, model, gpus)

@@ -4,7 +4,7 @@ A strategy script builds a `Strategy` (its device, its rank, and how it runs bac
 gradients, steps the optimizer, averages a loss and gathers predictions across processes), wraps the
 model its own way, and hands both to `Trainer`. Nothing in this file knows which strategy is running.
 Read it top to bottom: the data every process loads alike, the loop, then the Strategy it calls.
-The rest lives in support/, a module per duty (docs/architecture.md): cli (options, launch),
+The rest lives in support/, a module per duty (docs/architecture.md): cli (options), launch (ranks),
 machine (device, cores), models, checkpoints, results, measure (the callbacks beside the loop).
 """
 import contextlib

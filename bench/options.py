@@ -23,6 +23,22 @@ REAL_SIZE_DEFAULTS = {"max_steps": 4, "profile": 2, "batch_size": 8, "max_sample
 
 def parse_args(argv, gpus, description=None):
     """The command line; `gpus` (gpu_count()) sets the default --nprocs; `description`: benchmark.py's."""
+    parser = build_parser(gpus, description)
+    args, passthrough = parser.parse_known_args(argv)
+    args = check_args(args, passthrough, parser.get_default("nprocs"))
+    if gpus and max(args.counts) > gpus and "cpu" not in passthrough:  # one GPU per process: say so before any launch
+        raise cli.UserError(f"--nprocs {args.nprocs}: this machine has {gpus} GPU(s) and each process takes one; "
+                            "hide them to run CPU processes: CUDA_VISIBLE_DEVICES= ./run.sh --device cpu")
+    if args.node_counts:
+        args.hosts = job_hosts(args.nnodes)
+        if max(args.node_counts) > len(args.hosts):
+            raise cli.UserError(f"--nnodes {args.nnodes}: this Slurm job has {len(args.hosts)} node(s); ask sbatch "
+                                "for more with --nodes")
+    return args
+
+
+def build_parser(gpus, description):
+    """Which rows run, where, and where their results go; add_script_options adds what goes to every script."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Any other option goes to every script as it is (--lr, --seed, "
                                             "--dev-ratio, ...): `python single-gpu-cls.py --help` lists them.")
@@ -46,6 +62,19 @@ def parse_args(argv, gpus, description=None):
     parser.add_argument("--model",
                         help="as the scripts' --model, resolved once here and passed to all (default: auto on a "
                              "machine with GPUs; tiny without, where the real model would take hours)")
+    add_script_options(parser)
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds one launch may take before it is killed (default: %(default)g)")
+    parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
+                        help="where the table, chart, logs and each run's files go (default: output/benchmark)")
+    parser.add_argument("--publish", nargs="?", const="", metavar="SUFFIX",
+                        help="also copy the tables, JSON and chart to docs/results/<machine>[-<model>][-SUFFIX]/ "
+                             "(a SUFFIX keeps the run beside another of the same machine and model)")
+    return parser
+
+
+def add_script_options(parser):
+    """The options the runner passes on to every script (and --real-size, which sets several of them)."""
     parser.add_argument("--max-samples", type=int, help="passed to every script (default: the scripts' 10000)")
     parser.add_argument("--epochs", type=int, help="passed to every script (default: the scripts' 1)")
     parser.add_argument("--max-steps", type=int, metavar="N",
@@ -77,24 +106,6 @@ def parse_args(argv, gpus, description=None):
                         help="every script records STEPS steps with torch.profiler: the anatomy table and chart "
                              "panel show each step's time by phase (train s then includes the profiler's cost; "
                              "hf-trainer runs transformers' own loop and is not profiled)")
-    parser.add_argument("--timeout", type=float, default=1800,
-                        help="seconds one launch may take before it is killed (default: %(default)g)")
-    parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
-                        help="where the table, chart, logs and each run's files go (default: output/benchmark)")
-    parser.add_argument("--publish", nargs="?", const="", metavar="SUFFIX",
-                        help="also copy the tables, JSON and chart to docs/results/<machine>[-<model>][-SUFFIX]/ "
-                             "(a SUFFIX keeps the run beside another of the same machine and model)")
-    args, passthrough = parser.parse_known_args(argv)
-    args = check_args(args, passthrough, parser.get_default("nprocs"))
-    if gpus and max(args.counts) > gpus and "cpu" not in passthrough:  # one GPU per process: say so before any launch
-        raise cli.UserError(f"--nprocs {args.nprocs}: this machine has {gpus} GPU(s) and each process takes one; "
-                            "hide them to run CPU processes: CUDA_VISIBLE_DEVICES= ./run.sh --device cpu")
-    if args.node_counts:
-        args.hosts = job_hosts(args.nnodes)
-        if max(args.node_counts) > len(args.hosts):
-            raise cli.UserError(f"--nnodes {args.nnodes}: this Slurm job has {len(args.hosts)} node(s); ask sbatch "
-                                "for more with --nodes")
-    return args
 
 
 def split_assignment(value, separator):

@@ -1,3 +1,3 @@
-"""What the lessons lean on but do not teach: options and launch (cli), the device (machine), the
-models, checkpoints, files, results and measurements, and the set-up one library's lesson needs
-(`*_setup`). docs/architecture.md maps each module to its duty."""
+"""What the lessons lean on but do not teach: options (cli), errors, launch, the device (machine), the
+models, checkpoints, files, results and measurements (callbacks, measure), and the spawn lessons' set-up
+(`spawn_setup`). Nothing here imports common.py or above. docs/architecture.md maps each module to its duty."""

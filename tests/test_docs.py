@@ -660,8 +660,8 @@ class Helps:
 
 
 def strategies():
-    """benchmark.py's strategies: {name: script}, read from its STRATEGIES table."""
-    source = (ROOT / "benchmark.py").read_text(encoding="utf-8")
+    """benchmark.py's strategies: {name: script}, read from its STRATEGIES table (in bench/rows.py)."""
+    source = (ROOT / "bench" / "rows.py").read_text(encoding="utf-8")
     return dict(re.findall(r"Entry\(\s*\"([\w-]+)\",\s*\"([\w./-]+\.py)\"", source))
 
 

@@ -6,6 +6,7 @@ that only what the strategy changes shows. A change that buries a lesson (machin
 script instead of common.py or support/) grows its diff past the budget here, and CI says so. Raise
 a budget only when the lesson itself grew.
 """
+import ast
 import subprocess
 
 import pytest
@@ -55,3 +56,85 @@ def test_every_script_is_a_lesson_with_a_budget():
     for name in scripts:
         lines = len((ROOT / name).read_text(encoding="utf-8").splitlines())
         assert lines <= MAX_SCRIPT_LINES, f"{name} has {lines} lines, over {MAX_SCRIPT_LINES}"
+
+
+# The house, one floor per duty: a module imports only from its own floor or those below it.
+FLOORS = {"lessons": 4, "predict": 4, "benchmark": 4, "libraries": 3, "bench": 3, "microbenchmarks": 3,
+          "scripts": 4, "common": 2, "support": 1}
+# The runner's entry file: the command line's help and main; the rest is in bench/.
+MAX_ENTRY_LINES = 200
+MAX_FUNCTION_LINES = 60
+# Functions still over MAX_FUNCTION_LINES, at most this long: shorten them, never add to the list.
+STILL_LONG = {("multi-gpu-transformers-cls.py", "main"): 99, ("microbenchmarks/allreduce.py", "main"): 68,
+              ("multi-gpu-fsdp-cls.py", "main"): 65, ("multi-gpu-fabric-cls.py", "main"): 65,
+              ("multi-gpu-deepspeed-cls.py", "main"): 61}
+
+
+def product_files():
+    """Every Python file outside tests/ and the virtual environment, by its path from the root."""
+    return sorted(path.relative_to(ROOT) for path in ROOT.rglob("*.py")
+                  if path.relative_to(ROOT).parts[0] not in (".venv", "tests", "output"))
+
+
+def module_name(path):
+    return ".".join(path.with_suffix("").parts)
+
+
+def floor(module):
+    top = module.split(".")[0]
+    return FLOORS["lessons"] if top.endswith("-cls") else FLOORS[top]
+
+
+def imported_modules(path, known):
+    """The project's modules `path` imports, at the top or inside a function."""
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    package = module_name(path).rsplit(".", 1)[0] if len(path.parts) > 1 else ""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package if node.level else (node.module or "")
+            base = f"{base}.{node.module}" if node.level and node.module else base
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return {name for name in found if name in known}
+
+
+def test_imports_run_one_way_down_the_floors_and_never_in_a_circle():
+    paths = product_files()
+    known = {module_name(path) for path in paths}
+    graph = {module_name(path): imported_modules(path, known) - {module_name(path)} for path in paths}
+    upward = [(module, target) for module, targets in graph.items() for target in targets
+              if floor(target) > floor(module)]
+    assert not upward, f"imports from a lower floor to a higher one: {upward}"
+    done, visiting = set(), []
+
+    def visit(module):
+        if module in visiting:
+            raise AssertionError(f"imports in a circle: {' -> '.join(visiting[visiting.index(module):] + [module])}")
+        if module not in done:
+            visiting.append(module)
+            for target in sorted(graph[module]):
+                visit(target)
+            visiting.pop()
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_the_runners_entry_file_is_short():
+    lines = len((ROOT / "benchmark.py").read_text(encoding="utf-8").splitlines())
+    assert lines < MAX_ENTRY_LINES, f"benchmark.py has {lines} lines: move what is not its main into bench/"
+
+
+def test_no_function_outside_the_tests_is_past_a_screen():
+    too_long = {}
+    for path in product_files():
+        for node in ast.walk(ast.parse((ROOT / path).read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                allowed = STILL_LONG.get((str(path), node.name), MAX_FUNCTION_LINES)
+                if length > allowed:
+                    too_long[f"{path}: {node.name}"] = length
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
