@@ -321,7 +321,7 @@ class Measurements(TrainerCallback):
         wrapped = copy.copy(self.trainer.run)
         wrapped.model = self.trainer.model_wrapped
         self.extra = measure.extra_callbacks(wrapped)
-        # What common.Trainer.write_result asks for each measurement's result.json fields (on_result).
+        # What common.Run.write_result asks for each measurement's result.json fields (on_result).
         self.throughput = measure.Throughput(self.trainer.run)
         self.trainer.run.progress = self  # the throughput reads the steps' tokens from it
         self.trainer.run.callbacks = [self.model_state, self.throughput, *self.extra]
@@ -362,7 +362,7 @@ class Measurements(TrainerCallback):
             self.throughput.on_train_end(self.trainer.run)
 
     def progress(self):
-        """What common.Trainer.train returns, for common.Trainer.write_result."""
+        """What common.Trainer.train returns, for common.Run.write_result."""
         tokens = self.strategy.reduce_mean(self.tokens.to(self.strategy.device)).cpu() * self.strategy.world_size
         return {"seconds": self.seconds, "steps": self.trainer.state.global_step, "samples": self.samples,
                 "last_loss": self.last_loss, **measure.token_counts(tokens)}
