@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import common
-from support import checkpoints, cli, deepspeed_setup, machine
+from support import checkpoints, cli, deepspeed_setup, machine, models
 
 
 class DeepSpeed(common.TorchDistributed):
@@ -166,7 +166,7 @@ def main():
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         strategy.engine = engine
         if args.compile:  # DeepSpeed's own: compiles the engine's module in place, so the weights keep their names
-            engine.compile(compile_kwargs={"dynamic": True})
+            engine.compile(compile_kwargs=models.compile_options(args, strategy))
         if strategy.is_main:
             print(f"DeepSpeed ZeRO stage {strategy.zero_stage}, offload {strategy.offload}, "
                   f"{precision}: global batch {config['train_batch_size']} = {args.batch_size} per process x "

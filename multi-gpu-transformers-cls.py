@@ -39,7 +39,7 @@ import torch.distributed as dist
 from transformers import TrainingArguments
 
 import common
-from support import checkpoints, cli, machine, results, transformers_setup
+from support import checkpoints, cli, machine, models, results, transformers_setup
 
 
 def main():
@@ -97,7 +97,7 @@ def main():
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile(dynamic=True)
+            model.compile(**models.compile_options(args, strategy))
         training_args.learning_rate = lr  # for the Trainer's logs; the optimizer is ours (create_optimizer)
 
         # [data] The suite's loaders, sharded by rank as in the DDP script, in place of the Trainer's own
