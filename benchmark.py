@@ -54,6 +54,37 @@ def write_report(report, output_dir, final):
     benchmark_report.write(report, output_dir, final)
 
 
+def new_report(args, cells, model, model_note):
+    """benchmark.json before the first launch: the machine, the code, the plan, its rows pending."""
+    # The distributed rows' process counts (--real-size adds 4 for the sharded rows; --nnodes multiplies).
+    counts = ({cell["nnodes"] * cell["nprocs"] for cell in cells if STRATEGIES[cell["strategy"]].distributed}
+              or set(args.counts))
+    return {
+        "machine": describe_machine(),
+        "versions": library_versions(),
+        "git": git_state(),
+        "model": relative(model) if Path(model).is_dir() else model,
+        "model_note": model_note,
+        "nprocs": args.nprocs,
+        "nnodes": args.nnodes,
+        "counts": sorted(counts),
+        "max_steps": args.max_steps,
+        "repeat": args.repeat,
+        "spread": "min-max over the repeats; the row is the run with the median training time",
+        "noise_floor": None,
+        "global_batch": args.global_batch,
+        "batch_sizes": args.batch_sizes,
+        "precision": args.precision,
+        "strategy_args": args.strategy_options,
+        "passthrough": args.passthrough,
+        "output_dir": relative(args.output_dir),
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "finished": None,
+        "all_succeeded": None,
+        "rows": cells,
+    }
+
+
 def main():
     # A launch runs in its own session, out of reach of signals sent to this one: on SIGTERM, as on
     # Ctrl-C, unwind so that launch_once stops the launch before this process exits.

@@ -37,6 +37,8 @@ def prepare_data(args, strategy):
     """
     use_tf32(args.tf32, strategy.device)  # before any model is built, or compiled
     use_attention_without_plans(strategy.device)
+    # Repeating shapes on a GPU, where each new one costs a plan or a graph; on a CPU padding is only work.
+    args.pad_to_multiple_of = args.pad_to_multiple_of or (16 if strategy.device.type == "cuda" else 1)
     records = load_records(args.data)
     train_records, dev_records = split_records(records, args.max_samples, args.dev_ratio, args.seed)
     name = strategy.broadcast_object(models.resolve_model(args.model) if strategy.is_main else None)
@@ -114,17 +116,21 @@ class EncodedDataset(Dataset):
         return index, self.input_ids[index], self.labels[index], weight
 
 
-class PadToLongest:
-    """Collate a batch padded to its own longest text, not to --max-seq-len: most texts are short."""
+class PadBatch:
+    """Collate a batch padded to its longest text rounded up to a multiple of `multiple` tokens (at
+    most `max_length`), not to --max-seq-len: most texts are short. With a multiple above 1 the steps
+    repeat a handful of shapes, which a GPU needs: cuDNN, torch.compile and CUDA graphs each prepare
+    once per new shape (--pad-to-multiple-of)."""
 
-    def __init__(self, pad_id):
-        self.pad_id = pad_id
+    def __init__(self, pad_id, multiple=1, max_length=math.inf):
+        self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
 
     def __call__(self, batch):
         indices, sequences, labels, weights = zip(*batch)
         longest = max(len(ids) for ids in sequences)
-        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        length = min(math.ceil(longest / self.multiple) * self.multiple, self.max_length)  # texts are truncated to it
+        input_ids = torch.full((len(batch), length), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), length), dtype=torch.long)
         for row, ids in enumerate(sequences):
             input_ids[row, :len(ids)] = torch.tensor(ids)
             attention_mask[row, :len(ids)] = 1
@@ -143,6 +149,8 @@ class GlobalBatchSampler(Sampler):
     (then it has fewer micro-batches, or a short one). When a micro-batch does not split evenly, the
     processes with one sample fewer get a repeat of weight 0: every process runs the same number of
     batches (a collective never waits for a process that has finished), and no sample counts twice.
+    With `fill`, repeats of weight 0 fill every short micro-batch to the full batch size, so that
+    the steps' shapes differ only in length.
 
     Shuffled, each epoch is reordered with seed + epoch (the same order in every process); with
     length grouping, texts of similar length share a global batch, and the short last batch stays
@@ -150,9 +158,10 @@ class GlobalBatchSampler(Sampler):
     """
 
     def __init__(self, lengths, batch_size, num_replicas=1, rank=0, shuffle=True, group_by_length=True, seed=0,
-                 accumulation_steps=1):
+                 accumulation_steps=1, fill=False):
         self.lengths, self.batch_size, self.num_replicas, self.rank = lengths, batch_size, num_replicas, rank
         self.shuffle, self.group_by_length, self.seed, self.epoch = shuffle, group_by_length, seed, 0
+        self.fill = fill
         self.steps_skipped = 0
         self.micro_batch_size = batch_size * num_replicas  # over all processes
         self.global_batch_size = self.micro_batch_size * accumulation_steps
@@ -206,7 +215,8 @@ class GlobalBatchSampler(Sampler):
             for start in range(0, len(batch), self.micro_batch_size):
                 micro_batch = batch[start:start + self.micro_batch_size]
                 share = micro_batch[self.rank::self.num_replicas]
-                repeats = math.ceil(len(micro_batch) / self.num_replicas) - len(share)
+                share_size = self.batch_size if self.fill else math.ceil(len(micro_batch) / self.num_replicas)
+                repeats = share_size - len(share)
                 yield [(index, weight) for index in share] + [(micro_batch[0], 0.0)] * repeats
 
 
@@ -215,14 +225,14 @@ def train_sampler(dataset, args, num_replicas=1, rank=0):
     reshuffled per epoch."""
     return GlobalBatchSampler([len(ids) for ids in dataset.input_ids], args.batch_size, num_replicas, rank,
                               shuffle=not args.no_shuffle, group_by_length=args.group_by_length, seed=args.seed,
-                              accumulation_steps=args.grad_accum)
+                              accumulation_steps=args.grad_accum, fill=(args.pad_to_multiple_of or 1) > 1)
 
 
 def eval_sampler(dataset, args, num_replicas=1, rank=0):
     """Dev samples in order, split over processes; the repeats that even out the last batch weigh 0,
     and evaluation drops them."""
     return GlobalBatchSampler([len(ids) for ids in dataset.input_ids], args.batch_size, num_replicas, rank,
-                              shuffle=False)
+                              shuffle=False, fill=(args.pad_to_multiple_of or 1) > 1)
 
 
 def make_loader(dataset, args, tokenizer, batch_sampler):
@@ -230,7 +240,8 @@ def make_loader(dataset, args, tokenizer, batch_sampler):
     # generator, so the dropout masks after a --resume are those of the uninterrupted run. Pinned
     # memory only for GPU processes: pinning opens a CUDA context, on GPU 0, even in a --device cpu run.
     pin_memory = args.device != "cpu" and torch.cuda.is_available()
-    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=PadToLongest(tokenizer.pad_token_id),
+    collate = PadBatch(tokenizer.pad_token_id, args.pad_to_multiple_of or 1, args.max_seq_len)
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
                       num_workers=args.num_workers, pin_memory=pin_memory,
                       generator=torch.Generator().manual_seed(args.seed))
 
@@ -401,7 +412,8 @@ class Trainer(Run):
         """Logits, and this process's part of the global batch's mean loss (computed here, not inside
         the model, so that every strategy weighs samples the same way)."""
         with self.strategy.autocast():
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = self.model(input_ids=batch["input_ids"],
+                                attention_mask=models.prepared_mask(batch["attention_mask"])).logits
         per_sample = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
         # The loss-weighting rule (see GlobalBatchSampler): weighted by 1 / (samples in the global
         # batch), the sums over processes and micro-batches add up to the single-device mean. Every

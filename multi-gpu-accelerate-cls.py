@@ -127,7 +127,7 @@ def main():
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile(dynamic=True)
+            model.compile(**models.compile_options(args, strategy))
 
         # [data] The loaders are sharded as in the DDP script, by this process's index, not by prepare():
         #    to give every process as many batches, prepare() fills a short last global batch with

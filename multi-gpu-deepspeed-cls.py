@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import common
 from libraries import deepspeed_setup
-from support import checkpoints, cli, launch, machine
+from support import checkpoints, cli, launch, machine, models
 
 
 class DeepSpeed(common.TorchDistributed):
@@ -165,7 +165,7 @@ def main():
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         strategy.engine = engine
         if args.compile:  # DeepSpeed's own: compiles the engine's module in place, so the weights keep their names
-            engine.compile(compile_kwargs={"dynamic": True})
+            engine.compile(compile_kwargs=models.compile_options(args, strategy))
         if strategy.is_main:
             print(f"DeepSpeed ZeRO stage {strategy.zero_stage}, offload {strategy.offload}, "
                   f"{precision}: global batch {config['train_batch_size']} = {args.batch_size} per process x "

@@ -125,7 +125,7 @@ def train(args, rank, local_rank, first_failure):
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         model.to(device)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile(dynamic=True)
+            model.compile(**models.compile_options(args, strategy))
         # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
         #    gradients during backward(), overlapping the communication with the computation.
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -92,7 +92,7 @@ def main():
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile(dynamic=True)
+            model.compile(**models.compile_options(args, strategy))
 
         # [wrap] Fabric moves the model to this process's device and wraps it: in DDP (which broadcasts
         #    rank 0's weights, then averages the gradients during backward), or sharded by FSDP2, or

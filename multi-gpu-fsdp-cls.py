@@ -140,7 +140,7 @@ def main():
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile(dynamic=True)
+            model.compile(**models.compile_options(args, strategy))
 
         # [precision] Mixed precision is FSDP's own: it gathers the weights in 16 bits to compute, and keeps
         #    the shards, the optimizer and the gradient reductions in fp32 (no autocast needed).
@@ -157,7 +157,7 @@ def main():
         #    classifier), and fully_shard moves the weights to the mesh's device.
         for layer in model.bert.encoder.layer:
             if args.compile:  # each layer too, before it is sharded, as torchtitan does (FSDP's hooks run eager)
-                layer.compile(dynamic=True)
+                layer.compile(**models.compile_options(args, strategy))
             fully_shard(layer, **policies)
         fully_shard(model, **policies)
 

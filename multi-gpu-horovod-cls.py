@@ -87,8 +87,8 @@ def main():
 
     train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
     model.to(device)
-    if args.compile:  # in place, so the weights keep their names; dynamic: one graph for every batch length
-        model.compile(dynamic=True)
+    if args.compile:  # in place, so the weights keep their names; a graph per step shape (--compile-dynamic)
+        model.compile(**models.compile_options(args, strategy))
     # [wrap] Horovod does not wrap the model, so nothing else makes the copies start equal: send rank 0's
     #    weights to every process (the seed already agrees here; the broadcast makes it certain).
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

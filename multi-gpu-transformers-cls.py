@@ -40,7 +40,7 @@ from transformers import TrainingArguments
 
 import common
 from libraries import transformers_setup
-from support import checkpoints, cli, launch, machine, results
+from support import checkpoints, cli, launch, machine, models, results
 
 
 def main():
@@ -98,7 +98,7 @@ def main():
 
         train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile(dynamic=True)
+            model.compile(**models.compile_options(args, strategy))
         training_args.learning_rate = lr  # for the Trainer's logs; the optimizer is ours (create_optimizer)
 
         # [data] The suite's loaders, sharded by rank as in the DDP script, in place of the Trainer's own

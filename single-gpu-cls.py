@@ -20,8 +20,8 @@ def main():
 
     train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
     model.to(device)
-    if args.compile:  # in place, so the weights keep their names; dynamic: one graph for every batch length
-        model.compile(dynamic=True)
+    if args.compile:  # in place, so the weights keep their names; a graph per step shape (--compile-dynamic)
+        model.compile(**models.compile_options(args, strategy))
 
     train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))
     dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))

@@ -1,6 +1,7 @@
 """The runner's command line and its plan: which rows to run, at which process counts, with which
 options for each script. Imports no torch."""
 import argparse
+import itertools
 import re
 import shlex
 from pathlib import Path
@@ -88,9 +89,9 @@ def add_script_options(parser):
     parser.add_argument("--repeat", type=int, default=1,
                         help="launches per row, interleaved round-robin over the rows; the table shows the median "
                              "run, the min-max spread and the noise floor (default: 1)")
-    parser.add_argument("--batch-size", type=int,
+    parser.add_argument("--batch-size",
                         help="per device, for every row (default: the scripts' 32); DataParallel's one process "
-                             "gets it times its GPUs")
+                             "gets it times its GPUs; a list like 32,128,512 runs a batch sweep (rows named -b128)")
     parser.add_argument("--grad-accum", type=int, metavar="N",
                         help="micro-batches per optimizer step, for every row (default: the scripts' 1): the "
                              "global batch is the batch per device x devices x N")
@@ -139,13 +140,13 @@ def parse_strategy_args(values):
     return chosen
 
 
-def parse_counts(value, option="--nprocs", what="process"):
+def parse_counts(value, option="--nprocs", what="process count"):
     try:
         counts = [int(part) for part in value.split(",") if part.strip()]
     except ValueError:
         counts = []
     if not counts or any(count < 1 for count in counts) or len(set(counts)) != len(counts):
-        raise cli.UserError(f"{option} takes {what} counts of at least 1, like 2 or 1,2,4; got {value!r}")
+        raise cli.UserError(f"{option} takes {what}s of at least 1, like 2 or 1,2,4; got {value!r}")
     return sorted(counts)
 
 
@@ -163,7 +164,9 @@ def names(option, value, known):
 def check_args(args, passthrough, default_nprocs):
     if args.real_size:
         apply_real_size(args, default_nprocs)
-    for name in ("repeat", "max_samples", "epochs", "max_steps", "batch_size", "global_batch", "profile"):
+    args.batch_sizes = parse_counts(str(args.batch_size), "--batch-size", "batch size") if args.batch_size else [None]
+    args.batch_size = args.batch_sizes[-1]  # the largest: what the estimates size
+    for name in ("repeat", "max_samples", "epochs", "max_steps", "global_batch", "profile"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise cli.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -172,7 +175,7 @@ def check_args(args, passthrough, default_nprocs):
     if args.publish and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.publish):
         raise cli.UserError(f"--publish {args.publish}: a suffix of lower-case letters, digits and dashes, e.g. compile")
     args.counts = parse_counts(args.nprocs)
-    args.node_counts = parse_counts(args.nnodes, "--nnodes", "node") if args.nnodes else None
+    args.node_counts = parse_counts(args.nnodes, "--nnodes", "node count") if args.nnodes else None
     own = [parse_variant(value) for value in args.variant]
     args.variants = {variant.name: variant for variant in BUILT_IN_VARIANTS + own}
     args.strategy_options = parse_strategy_args(args.strategy_args)
@@ -234,18 +237,18 @@ def devices(entry, nprocs, gpus):
     return nprocs
 
 
-def batch_options(args, entry, gpus, nprocs):
+def batch_options(args, entry, gpus, nprocs, batch_size):
     """--batch-size for the script, so that every device gets the same share of a batch."""
     replicas = devices(entry, nprocs, gpus)
-    per_device = args.global_batch // (replicas * (args.grad_accum or 1)) if args.global_batch else args.batch_size
+    per_device = args.global_batch // (replicas * (args.grad_accum or 1)) if args.global_batch else batch_size
     if entry.splits_batch and replicas > 1:
         return ["--batch-size", str((per_device or SCRIPT_BATCH_SIZE) * replicas)]
     return ["--batch-size", str(per_device)] if per_device else []
 
 
-def script_options(args, variant, run_dir, model, gpus, nprocs):
+def script_options(args, variant, run_dir, model, gpus, nprocs, batch_size):
     """What a script gets after the launcher's part: the options every row shares, then this
-    strategy's and this variant's own."""
+    strategy's and this variant's own; `batch_size` per device (None: the script's)."""
     entry = STRATEGIES[variant.strategy]
     options = ["--output-dir", relative(run_dir), "--model", model]
     if args.max_samples:
@@ -260,12 +263,13 @@ def script_options(args, variant, run_dir, model, gpus, nprocs):
         options += ["--grad-accum", str(args.grad_accum)]
     if args.profile and entry.profiles:
         options += ["--profile", str(args.profile)]
-    return (options + batch_options(args, entry, gpus, nprocs) + args.passthrough
+    return (options + batch_options(args, entry, gpus, nprocs, batch_size) + args.passthrough
             + args.strategy_options.get(entry.name, []) + list(variant.options))
 
 
 def plan(args, gpus):
-    """The cells to run: each row at each node and process count (rows that depend on neither, once)."""
+    """The cells to run: each row at each batch size, node and process count (rows that depend on
+    neither count, once per batch size)."""
     cells = []
     for variant in args.rows:
         entry = STRATEGIES[variant.strategy]
@@ -273,14 +277,14 @@ def plan(args, gpus):
         if args.real_size and variant.name in REAL_SIZE_SHARDED_ROWS:
             counts = REAL_SIZE_SHARDED_COUNTS
         node_counts = args.node_counts if args.node_counts and entry.distributed else [1]
-        for nnodes in node_counts:
-            for nprocs in counts:
-                name = (variant.name + (f"-nodes{nnodes}" if len(node_counts) > 1 else "")
-                        + (f"-n{nprocs}" if entry.distributed and len(counts) > 1 else ""))
-                cells.append({"row": name, "variant": variant.name, "strategy": entry.name, "script": entry.script,
-                              "launcher": entry.launcher, "nnodes": nnodes, "nprocs": nprocs,
-                              "options": list(variant.options), "log": relative(args.output_dir / f"{name}.log"),
-                              "status": "pending", "reason": None, "runs": []})
+        for batch_size, nnodes, nprocs in itertools.product(args.batch_sizes, node_counts, counts):
+            name = (variant.name + (f"-b{batch_size}" if len(args.batch_sizes) > 1 else "")
+                    + (f"-nodes{nnodes}" if len(node_counts) > 1 else "")
+                    + (f"-n{nprocs}" if entry.distributed and len(counts) > 1 else ""))
+            cells.append({"row": name, "variant": variant.name, "strategy": entry.name, "script": entry.script,
+                          "launcher": entry.launcher, "nnodes": nnodes, "nprocs": nprocs, "batch_size": batch_size,
+                          "options": list(variant.options), "log": relative(args.output_dir / f"{name}.log"),
+                          "status": "pending", "reason": None, "runs": []})
     return cells
 
 

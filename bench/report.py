@@ -21,8 +21,9 @@ MEMORY_COLUMNS = ["row", "processes", "weights MB", "gradients MB", "optimizer s
                   "ZeRO formula MB", "peak MB", "beyond model state MB"]
 PHASE_COLUMNS = ["row", "step ms", "data loading", "forward", "backward", "optimizer step", "exposed comm.",
                  "overlapped comm.", "collectives: ms per step (exposed), phase"]
-THROUGHPUT_COLUMNS = ["row", "computes in", "first step s", "steady step ms", "steady samples/s", "tokens/s",
-                      "model TFLOP/s", "MFU (published peak)", "MFU (measured peak)"]
+THROUGHPUT_COLUMNS = ["row", "computes in", "step shapes", "first step s", "steady step ms", "steady samples/s",
+                      "tokens/s", "model TFLOP/s", "MFU real (computed), published peak",
+                      "MFU real (computed), measured peak"]
 MODEL_STATE_PARTS = ("parameters", "gradients", "optimizer_state")
 
 
@@ -99,12 +100,15 @@ def phase_cells(row):
 def throughput_cells(row):
     def figure(key, form, scale=1):
         return form.format(row[key] * scale) if row.get(key) is not None else "n/a"
-    graphs = row.get("compiled_graphs")
-    compiled = f", compiled ({graphs} graph{'s' * (graphs != 1)})" if row.get("compiled") else ""
-    return [row_label(row), f"{row['compute_precision']}{compiled}", figure("first_step_seconds", "{:.2f}"),
-            figure("steady_step_seconds", "{:.1f}", 1000), figure("steady_samples_per_second", "{:.1f}"),
-            figure("real_tokens_per_second", "{:.0f}"), figure("steady_model_flops_per_second", "{:.3g}", 1e-12),
-            figure("mfu", "{:.1%}"), figure("mfu_measured", "{:.1%}")]
+    def mfu(key):
+        return f"{figure(key + '_real', '{:.1%}')} ({figure(key, '{:.1%}')})" if row.get(key) is not None else "n/a"
+    graphs, cuda_graphs = row.get("compiled_graphs"), row.get("cuda_graphs")
+    compiled = f", compiled ({graphs} graph{'s' * (graphs != 1)}" if row.get("compiled") else ""
+    compiled += (f", {cuda_graphs} CUDA graphs)" if cuda_graphs is not None else ")") if compiled else ""
+    return [row_label(row), f"{row['compute_precision']}{compiled}", figure("step_shapes", "{}"),
+            figure("first_step_seconds", "{:.2f}"), figure("steady_step_seconds", "{:.1f}", 1000),
+            figure("steady_samples_per_second", "{:.1f}"), figure("real_tokens_per_second", "{:.0f}"),
+            figure("steady_model_flops_per_second", "{:.3g}", 1e-12), mfu("mfu"), mfu("mfu_measured")]
 
 
 def throughput_rows(report):
@@ -187,8 +191,10 @@ THROUGHPUT_LEGEND = ("The first step is timed apart: it pays the one-time costs 
                      "loading the kernels of new shapes); a compiled row says how many graphs dynamo compiled while "
                      "training (a recompile or a graph break adds one). The steady steps follow it: the median step, "
                      "and samples/s and model FLOP/s over them (a later recompile counts there, not in the median). "
+                     "step shapes: the distinct (batch, length) shapes trained (--pad-to-multiple-of). "
                      "tokens/s: real tokens (no padding) over the whole loop. Model FLOPs: the matrix products of "
-                     "forward and backward at the shapes computed, padding included (flops.py). MFU: model FLOP/s per "
+                     "forward and backward at the shapes computed, padding included (flops.py); MFU real counts only "
+                     "the FLOPs of the real tokens, each text at its own length. MFU: model FLOP/s per "
                      "device over the device's peak for the precision the row computes in: the GPU's published dense "
                      "peak, and the matrix-product rate microbenchmarks/matmul_peak.py measures on this machine (on a CPU, "
                      "all its cores are the one device the processes share).")
@@ -301,6 +307,8 @@ def chart_panels(report):
         panels.append(scaling_chart)
     if any(row.get("mfu") is not None or row.get("mfu_measured") is not None for row in throughput_rows(report)):
         panels.append(mfu_chart)
+    if sweep_points(report):
+        panels.append(batch_chart)
     if phase_rows(report):
         panels.append(phase_chart)
     if memory_rows(report):
@@ -379,6 +387,30 @@ def scaling_chart(axis, report):
     axis.set_xlabel("processes")
     axis.set_ylabel("samples/s over the same row's 1-process run")
     axis.set_xticks(counts)
+    axis.legend(fontsize=8)
+
+
+def sweep_points(report):
+    """Each variant's (batch size, MFU on the real tokens) over a batch sweep (--batch-size 32,128,...):
+    against the published peak where there is one, else the measured."""
+    if len(report.get("batch_sizes") or []) < 2:
+        return {}
+    points = {}
+    for row in throughput_rows(report):
+        mfu = row.get("mfu_real") if row.get("mfu_real") is not None else row.get("mfu_measured_real")
+        if mfu is not None:
+            points.setdefault(row["variant"], []).append((row["batch_per_process"], 100 * mfu))
+    return {variant: sorted(values) for variant, values in points.items()}
+
+
+def batch_chart(axis, report):
+    for variant, points in sweep_points(report).items():
+        axis.plot(*zip(*points), marker="o", label=variant)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("batch per process")
+    axis.set_ylabel("MFU on the real tokens, % (steady steps)")
+    axis.set_title("batch sweep: MFU rises while steps wait on launches, flattens once they fill the device",
+                   fontsize=9)
     axis.legend(fontsize=8)
 
 

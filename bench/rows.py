@@ -155,6 +155,18 @@ BUILT_IN_VARIANTS = DEFAULT_ROWS + [
     *[Variant(f"{name}+compile", name, ("--compile",), "the model compiled with torch.compile")
       for name in STRATEGIES if name not in CANNOT_COMPILE],
     Variant("ddp-amp-bf16+compile", "ddp-amp", ("--precision", "bf16", "--compile"), "autocast to bf16, compiled"),
+    Variant("ddp+compile-static", "ddp", ("--compile", "--compile-dynamic", "static", "--pad-to-multiple-of", "16"),
+            "compiled with static shapes: a graph per padded length (multiples of 16)"),
+    Variant("ddp+compile-dynamic", "ddp", ("--compile", "--compile-dynamic", "dynamic"),
+            "compiled with dynamic shapes: one graph for every length"),
+    *[Variant(f"{name}+cudagraphs", strategy, (*options, "--compile-mode", "reduce-overhead"),
+              f"{about}, compiled and replayed as CUDA graphs", needs_gpu=True)
+      for name, strategy, options, about in [("single", "single", (), "one device"), ("ddp", "ddp", (), "DDP"),
+                                              ("ddp-amp-bf16", "ddp-amp", ("--precision", "bf16"), "bf16 autocast")]],
+    Variant("ddp-longest", "ddp", ("--pad-to-multiple-of", "1"),
+            "each batch padded to its own longest text: a new shape almost every step"),
+    Variant("ddp-amp-bf16-longest", "ddp-amp", ("--precision", "bf16", "--pad-to-multiple-of", "1"),
+            "bf16 autocast, each batch padded to its own longest text"),
 ]
 
 

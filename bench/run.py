@@ -79,7 +79,8 @@ def launch_cell(args, cell, model, gpus):
     else:
         launcher, env = entry.launch(entry.script, cell["nprocs"], gpus), {}
         launcher_file = launcher[0]
-    command = launcher + script_options(args, variant, run_dir, model, gpus, cell["nnodes"] * cell["nprocs"])
+    command = launcher + script_options(args, variant, run_dir, model, gpus, cell["nnodes"] * cell["nprocs"],
+                                        cell["batch_size"])
     cell["command"] = shlex.join([f"{name}={value}" for name, value in env.items()] + command)
     reason = (why_not_ready(entry, launcher_file) or not_runnable(variant, gpus)
               or (args.node_counts and CANNOT_SPAN_NODES.get(entry.name)))
@@ -185,10 +186,11 @@ def launch_once(command, env, shown, run_dir, log_path, timeout):
 
 
 # What each row's result.json says of its pace against the limit (measure.Throughput).
-THROUGHPUT_FIELDS = ("compiled", "compiled_graphs", "compute_precision", "devices", "first_step_seconds",
+THROUGHPUT_FIELDS = ("compiled", "compiled_graphs", "cuda_graphs", "step_shapes", "pad_to_multiple_of",
+                     "compute_precision", "devices", "first_step_seconds",
                      "steady_step_seconds", "steady_samples_per_second", "real_tokens_per_second",
                      "computed_tokens_per_second", "model_flops_per_second", "steady_model_flops_per_second", "mfu",
-                     "peak_tflops", "peak_source", "mfu_note")
+                     "mfu_real", "real_flops_share", "peak_tflops", "peak_source", "mfu_note")
 
 
 def summarize(cell):
@@ -278,4 +280,5 @@ def measure_matmul_peaks(rows):
         mfu = flops.mfu(flop_per_second and flop_per_second / row["devices"], peaks[key].get("tflops"))
         if mfu is not None:
             row["mfu_measured"] = round(mfu, 4)
+            row["mfu_measured_real"] = round(mfu * row["real_flops_share"], 4)
     return peaks

@@ -214,7 +214,7 @@ class SuiteTrainer(Trainer):
         # the Trainer casts every float input to that type, the weights too (trainer.py,
         # _prepare_input): 1/33 moves by up to 0.2%, the same factor for the whole step, which
         # Adam's update does not see. In fp32 they stay exact.)
-        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        outputs = model(input_ids=inputs["input_ids"], attention_mask=models.prepared_mask(inputs["attention_mask"]))
         per_sample = F.cross_entropy(outputs.logits.float(), inputs["labels"], reduction="none")
         loss = (per_sample * inputs["weight"]).sum() * self.args.world_size
         if return_outputs:
@@ -299,13 +299,13 @@ class Measurements(TrainerCallback):
     def __init__(self, trainer, strategy, train_loader):
         self.trainer, self.strategy = trainer, strategy
         self.global_batch_sizes = train_loader.batch_sampler.global_batch_sizes()
-        self.tokens = torch.zeros(4, dtype=torch.float64)
+        self.tokens = measure.TokenCount()
         self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
         self.model_state, self.zero_partitions = None, []
         self.start = None
 
     def count_tokens(self, batch):
-        self.tokens += measure.count_tokens(batch)
+        self.tokens.add(batch)
 
     def on_train_begin(self, args, state, control, **kwargs):
         # After the Trainer has wrapped the model and built the optimizer: what follows is the loop.
@@ -363,6 +363,5 @@ class Measurements(TrainerCallback):
 
     def progress(self):
         """What common.Trainer.train returns, for common.Run.write_result."""
-        tokens = self.strategy.reduce_mean(self.tokens.to(self.strategy.device)).cpu() * self.strategy.world_size
         return {"seconds": self.seconds, "steps": self.trainer.state.global_step, "samples": self.samples,
-                "last_loss": self.last_loss, **measure.token_counts(tokens)}
+                "last_loss": self.last_loss, **self.tokens.totals(self.strategy)}

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Models with random weights learn from scratch (a higher rate); BERT-base's depth needs a lower one than tiny's.
 DEFAULT_LR = {"tiny": 1e-3, "base-shape": 1e-4, "pretrained": 3e-5}
 PRECISIONS = ["fp32", "bf16", "fp16"]
+# torch.compile's modes; reduce-overhead records CUDA graphs.
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 # Room for [CLS], one token of text and [SEP]: a shorter --max-seq-len truncates nothing, silently.
 MIN_SEQ_LEN = 3
 
@@ -126,16 +128,31 @@ def build_parser(script_file, description):
     parser.add_argument("--save-on-signal", action="store_true",
                         help="on SIGTERM or SIGUSR1 (a scheduler's notice before preemption or the time limit), "
                              "every process finishes its step, a checkpoint is saved, and the run stops")
+    add_speed_args(parser)
+    return parser
+
+
+def add_speed_args(parser):
+    """What makes a step faster without changing what it computes: compiling, padding, TF32; and the profiler."""
     parser.add_argument("--compile", action="store_true",
                         help="compile the model with torch.compile: its first steps pay the compilation "
                              "(first_step_seconds in result.json), later ones run fused kernels")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES,
+                        help="torch.compile's mode (implies --compile): reduce-overhead replays each step's kernels "
+                             "as CUDA graphs (GPUs; single, DDP and AMP); None = default")
+    parser.add_argument("--compile-dynamic", choices=["auto", "static", "dynamic"], default="auto",
+                        help="static: a graph per step shape (dynamic=False); dynamic: one graph for every length "
+                             "(dynamic=True); auto = static when --pad-to-multiple-of makes the shapes repeat")
+    parser.add_argument("--pad-to-multiple-of", type=int, metavar="N",
+                        help="pad each batch to its longest text rounded up to a multiple of N tokens, and fill a "
+                             "short batch with repeats of weight 0: a handful of step shapes; None = 16 on a GPU, "
+                             "1 on a CPU (each batch to its longest text)")
     parser.add_argument("--tf32", action="store_true",
                         help="fp32 matrix products on TF32 tensor cores (NVIDIA GPUs from Ampere on): 10 "
                              "mantissa bits in the products, fp32 everywhere else; default IEEE fp32")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="record STEPS training steps with torch.profiler after 2 warm-up steps: "
                              "<output-dir>/trace.json and milliseconds per phase in result.json (slower)")
-    return parser
 
 
 def add_distributed_args(parser, backend=False, local_rank=False):
@@ -189,6 +206,9 @@ def check_args(args):
         raise UserError(f"--output-dir {args.output_dir} is a file, not a folder")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1, got {args.threads}")
+    if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
+        raise UserError(f"--pad-to-multiple-of must be at least 1, got {args.pad_to_multiple_of}")
+    args.compile = args.compile or args.compile_mode is not None
     for name in ("epochs", "batch_size", "grad_accum", "log_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")

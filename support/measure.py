@@ -28,12 +28,12 @@ class Progress(Callback):
     def __init__(self, trainer, first_step):
         self.strategy, self.step, self.samples, self.paused = trainer.strategy, first_step, 0, 0.0
         self.global_batch_sizes = trainer.train_loader.batch_sampler.global_batch_sizes()
-        self.tokens = torch.zeros(4, dtype=torch.float64)  # count_tokens' four sums, this process
+        self.tokens = TokenCount()
         self.bar = tqdm(total=trainer.total_steps(), initial=first_step, disable=not trainer.strategy.is_main,
                         mininterval=1, dynamic_ncols=True)
 
     def count_tokens(self, batch):
-        self.tokens += count_tokens(batch)
+        self.tokens.add(batch)
 
     def on_train_begin(self, trainer):
         reset_peak_memory(self.strategy.device)
@@ -61,22 +61,37 @@ class Progress(Callback):
     def summary(self):
         """Seconds, steps, samples and the whole job's tokens (summed over the processes: every
         process calls this)."""
-        strategy = self.strategy
-        tokens = strategy.reduce_mean(self.tokens.to(strategy.device)).cpu() * strategy.world_size
-        return {"seconds": self.seconds, "steps": self.step, "samples": self.samples, **token_counts(tokens)}
+        return {"seconds": self.seconds, "steps": self.step, "samples": self.samples,
+                **self.tokens.totals(self.strategy)}
+
+
+class TokenCount:
+    """What the training micro-batches of this process held: count_tokens' sums, and their distinct
+    shapes (each new one costs a GPU a plan, a compilation or a graph)."""
+
+    def __init__(self):
+        self.sums = torch.zeros(len(results.TOKEN_COUNTS), dtype=torch.float64)
+        self.shapes = set()
+
+    def add(self, batch):
+        self.sums += count_tokens(batch)
+        self.shapes.add(tuple(batch["input_ids"].shape))
+
+    def totals(self, strategy):
+        """The whole job's sums by name, and its distinct step shapes (every process calls this)."""
+        sums = strategy.reduce_mean(self.sums.to(strategy.device)).cpu() * strategy.world_size
+        shapes = {tuple(shape) for part in strategy.gather_objects(sorted(self.shapes)) for shape in part}
+        return {**dict(zip(results.TOKEN_COUNTS, sums.tolist())), "step_shapes": len(shapes)}
 
 
 def count_tokens(batch):
-    """Real tokens of the batch's real samples; then what the model computes (padding and repeats
-    included): tokens, sequences, and query-key pairs of attention (flops.py turns them into FLOPs)."""
-    real = batch["attention_mask"][batch["weight"] > 0].sum()
+    """flops.py's three sums (tokens, sequences, and query-key pairs of attention), first over the real
+    samples at their own lengths, then over what the model computed (padding and repeats included)."""
+    real_lengths = batch["attention_mask"][batch["weight"] > 0].sum(dim=1).double()
     sequences, length = batch["input_ids"].shape
-    return torch.tensor([real.item(), sequences * length, sequences, sequences * length ** 2], dtype=torch.float64)
-
-
-def token_counts(sums):
-    """count_tokens' sums, by name."""
-    return dict(zip(results.TOKEN_COUNTS, sums.tolist()))
+    real = torch.stack([real_lengths.sum(), torch.tensor(float(len(real_lengths))), (real_lengths ** 2).sum()])
+    computed = torch.tensor([sequences * length, sequences, sequences * length ** 2], dtype=torch.float64)
+    return torch.cat([real.cpu(), computed])
 
 
 class ModelStateCount(Callback):
@@ -165,6 +180,7 @@ class Throughput(Callback):
     def __init__(self, trainer):
         self.device = trainer.strategy.device
         self.first_step, self.first_tokens, self.marks, self.compiled_graphs = None, None, [], None
+        self.cuda_graphs = None
 
     def mark(self):
         if self.device.type == "cuda":
@@ -184,15 +200,17 @@ class Throughput(Callback):
             sampler = trainer.train_loader.batch_sampler
             sizes = sampler.global_batch_sizes()
             self.first_step, self.first_samples = step, sizes[(step - 1) % len(sizes)]
-            self.first_tokens = trainer.progress.tokens.clone()
+            self.first_tokens = trainer.progress.tokens.sums.clone()
         self.marks.append(self.mark())
 
     def on_train_end(self, trainer):
         synchronize(self.device)
-        self.tokens = trainer.progress.tokens.clone()
+        self.tokens = trainer.progress.tokens.sums.clone()
         if trainer.args.compile:  # graphs dynamo compiled while training: each recompile or graph break adds one
             from torch._dynamo.utils import counters
             self.compiled_graphs = counters["stats"]["unique_graphs"]
+        if trainer.args.compile_mode == "reduce-overhead":
+            self.cuda_graphs = cuda_graphs_recorded(self.device)
         if self.device.type == "cuda":
             self.step_seconds = [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
         else:
@@ -202,14 +220,17 @@ class Throughput(Callback):
         if self.first_step is None:  # nothing trained (a --resume past the last step)
             return
         config = trainer.strategy.unwrap(trainer.model).config
-        model_flops = flops.training_flops(config, *(result[name] for name in results.TOKEN_COUNTS[1:]))  # the job's
+        computed = slice(len(results.REAL_COUNTS), None)  # count_tokens' sums of what the model computed
+        model_flops = flops.training_flops(config, *(result[name] for name in results.COMPUTED_COUNTS))  # the job's
         # The steady steps' share of the FLOPs, from this process's own counts: exact, whatever the
         # first batch's length.
-        steady_share = 1 - flops.training_flops(config, *self.first_tokens[1:].tolist()) / flops.training_flops(
-            config, *self.tokens[1:].tolist())
+        steady_share = 1 - flops.training_flops(config, *self.first_tokens[computed].tolist()) / flops.training_flops(
+            config, *self.tokens[computed].tolist())
         steady_seconds = result["train_seconds"] - self.first_seconds
         devices = len(trainer.strategy.gpus()) * trainer.strategy.world_size if self.device.type == "cuda" else 1
         steady_flops = model_flops * steady_share / steady_seconds if steady_seconds > 0 else None
+        # The FLOPs the real tokens need, each text at its own length: padding is work no user wants.
+        real_share = flops.training_flops(config, *(result[name] for name in results.REAL_COUNTS)) / model_flops
         result.update({
             "first_step_seconds": round(self.first_seconds, 3),
             "steady_step_seconds": round(statistics.median(self.step_seconds), 4) if self.step_seconds else None,
@@ -220,11 +241,29 @@ class Throughput(Callback):
             "model_flops": model_flops,
             "model_flops_per_second": round(model_flops / result["train_seconds"]),
             "steady_model_flops_per_second": round(steady_flops) if steady_flops else None,
+            "real_flops_share": round(real_share, 4),
             "compute_precision": compute_precision(trainer),
             "compiled_graphs": self.compiled_graphs,
+            "cuda_graphs": self.cuda_graphs,
             "devices": devices,
         })
         result.update(published_mfu(self.device, result["compute_precision"], steady_flops, devices))
+        if result["mfu"] is not None:
+            result["mfu_real"] = round(result["mfu"] * real_share, 4)
+
+
+def cuda_graphs_recorded(device):
+    """The CUDA graphs torch.compile's reduce-overhead mode recorded on `device`: the nodes of its graph
+    trees, one per step shape and part (forward, backward) it replays."""
+    from torch._inductor import cudagraph_trees
+    manager = cudagraph_trees.get_manager(device.index, create_if_none_exists=False)
+    nodes = [node for roots in manager.roots.values() for node in roots] if manager else []
+    count = 0
+    while nodes:
+        node = nodes.pop()
+        count += 1
+        nodes += [child for children in node.children.values() for child in children]
+    return count
 
 
 def compute_precision(trainer):

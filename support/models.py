@@ -2,6 +2,7 @@
 weights: the tiny BERT, or the real model's shape), loaded with a classification head, and the
 optimizer every script trains it with."""
 import collections
+import math
 import os
 import socket
 import sys
@@ -172,3 +173,37 @@ def make_optimizer(model, lr, weight_decay):
     fused = all(type(param) is torch.nn.Parameter and param.is_cuda for param in decay + no_decay) or None
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], lr=lr, fused=fused)
+
+
+def prepared_mask(attention_mask):
+    """The padding mask as the (batch, 1, 1, length) boolean mask that SDPA attention takes, which
+    transformers passes on as it is. Given the 2D mask instead, it asks on every forward whether any
+    token is padding (`mask.all()`), and the CPU waits for the GPU to answer."""
+    return attention_mask[:, None, None, :].bool()
+
+
+# Where a compiled model may replay its steps as CUDA graphs: one device and DDP (torchrun, spawn, AMP),
+# whose hooks run outside the compiled model and read its gradients before the next replay.
+CUDA_GRAPH_STRATEGIES = ("single-device", "ddp", "ddp-amp")
+
+
+def compile_options(args, strategy):
+    """torch.compile's arguments for --compile-mode and --compile-dynamic. Static shapes compile a graph
+    per step shape: with --pad-to-multiple-of a handful, each as fast as it can be (and what DDP's graph
+    splitting and CUDA graphs want); dynamic compiles one graph for every length."""
+    if args.compile_mode == "reduce-overhead":
+        if strategy.device.type != "cuda":
+            raise UserError("--compile-mode reduce-overhead records CUDA graphs, which need a GPU; on a CPU "
+                            "leave it out (--compile)")
+        if strategy.name not in CUDA_GRAPH_STRATEGIES:
+            raise UserError(f"--compile-mode reduce-overhead: {strategy.name} updates gradients or weights in "
+                            "hooks between the compiled kernels, which recorded CUDA graphs would not follow; "
+                            "CUDA graphs run with single-gpu-cls.py and the DDP scripts")
+    if args.compile_dynamic == "auto":  # resolved once, for result.json too
+        args.compile_dynamic = "static" if args.pad_to_multiple_of > 1 else "dynamic"
+    static = args.compile_dynamic == "static"
+    if static:
+        # A graph per length of the ladder, for training and for evaluation (no_grad compiles its own).
+        lengths = math.ceil(args.max_seq_len / args.pad_to_multiple_of)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * lengths + 2)
+    return {"mode": args.compile_mode, "dynamic": not static}

@@ -12,8 +12,11 @@ from .machine import device_description, peak_memory_mb
 from .models import parameter_count
 
 
-# measure.count_tokens' sums, in its order: real tokens, then what the model computed (flops.py's three).
-TOKEN_COUNTS = ("real_tokens", "computed_tokens", "computed_sequences", "attended_pairs")
+# measure.count_tokens' sums, in its order: flops.py's three over the real samples at their own lengths,
+# then over what the model computed (padding and repeats included).
+REAL_COUNTS = ("real_tokens", "real_sequences", "real_attended_pairs")
+COMPUTED_COUNTS = ("computed_tokens", "computed_sequences", "attended_pairs")
+TOKEN_COUNTS = REAL_COUNTS + COMPUTED_COUNTS
 
 
 def publish(trainer, result, metrics):
@@ -62,6 +65,8 @@ def fields(trainer, progress, metrics):
         "parameters": parameter_count(trainer.model),
         "precision": strategy.precision,
         "compiled": args.compile,
+        "compile_mode": (args.compile_mode or "default") if args.compile else None,
+        "compile_dynamic": args.compile_dynamic if args.compile else None,
         "precision_native": trainer.native_precision,
         "batch_size_per_process": args.batch_size,
         "global_batch_size": trainer.global_batch_size,
@@ -79,6 +84,8 @@ def fields(trainer, progress, metrics):
         "padded_tokens_per_sample": round((progress["computed_tokens"] - progress["real_tokens"]) / samples, 2),
         # The job's sums (measure.count_tokens): what the throughput and FLOPs are counted from.
         **{name: progress[name] for name in TOKEN_COUNTS},
+        "pad_to_multiple_of": args.pad_to_multiple_of,
+        "step_shapes": progress["step_shapes"],  # distinct (batch, length) shapes of the training micro-batches
         "peak_memory_mb": round(peak_memory_mb(strategy.device), 1),
         "final_train_loss": progress["last_loss"],
         "dev_loss": metrics["loss"],
@@ -94,14 +101,18 @@ def fields(trainer, progress, metrics):
 
 def throughput_line(result):
     """The first step apart, then the steady steps: their pace and how close to the device's limit."""
-    mfu = (f"MFU {result['mfu']:.1%} of {result['peak_tflops']:g} TFLOP/s ({result['compute_precision']}, "
-           f"{result['peak_source']})" if result.get("mfu") is not None else f"MFU: {result['mfu_note']}")
+    mfu = (f"MFU {result['mfu_real']:.1%} on the real tokens, {result['mfu']:.1%} on those computed, of "
+           f"{result['peak_tflops']:g} TFLOP/s ({result['compute_precision']}, {result['peak_source']})"
+           if result.get("mfu") is not None else f"MFU: {result['mfu_note']}")
     steady = result["steady_model_flops_per_second"]
-    graphs = result["compiled_graphs"]
+    graphs, cuda_graphs, shapes = result["compiled_graphs"], result.get("cuda_graphs"), result.get("step_shapes")
     return (f"first step {result['first_step_seconds']:.2f} s"
-            + (f" (compiling: {graphs} graph{'s' * (graphs != 1)})" if result["compiled"] else "")
+            + (f" (compiling: {graphs} graph{'s' * (graphs != 1)}" if result["compiled"] else "")
+            + (f", {cuda_graphs} CUDA graphs" if cuda_graphs is not None else "")
+            + (")" if result["compiled"] else "")
             + (f", then {result['steady_step_seconds'] * 1000:.1f} ms per step (median), "
                f"{result['steady_samples_per_second']:.1f} samples/s" if result["steady_step_seconds"] else "")
+            + (f" | {shapes} step shape{'s' * (shapes != 1)}" if shapes else "")
             + f" | {result['real_tokens_per_second']:.0f} tokens/s ({result['computed_tokens_per_second']:.0f} "
             + f"computed) | model {(steady or result['model_flops_per_second']) / 1e12:.3g} TFLOP/s | {mfu}")
 

@@ -243,14 +243,17 @@ def ddp_run(tmp_path_factory):
     """ddp_run(accumulation) -> (its process, its output folder): DDP, 2 processes at the global batch
     32 (16 x 1, or 4 x 4 micro-batches), shuffling and dropout off, its gradient all-reduces counted
     (tests/hooks.py). The first under torchrun (the quick tier's DDP check), the second under the legacy
-    python -m torch.distributed.launch (test_native.py); test_grad_accum.py reads the all-reduces of both."""
+    python -m torch.distributed.launch, padded as on a GPU (--pad-to-multiple-of 16: test_native.py);
+    test_grad_accum.py reads the all-reduces of both."""
     launchers = {1: [BIN / "torchrun"], 4: [PYTHON, "-m", "torch.distributed.launch"]}
+    padding = {1: [], 4: ["--pad-to-multiple-of", "16"]}
 
     def get(accumulation):
         def launch(output):
             import hooks
             return run([*launchers[accumulation], "--nproc_per_node", "2", "--master_port", free_port(),
-                        "multi-gpu-distributed-cls.py", *SMALL, *EXACT, "--grad-accum", str(accumulation),
+                        "multi-gpu-distributed-cls.py", *SMALL, *EXACT, *padding[accumulation],
+                        "--grad-accum", str(accumulation),
                         "--batch-size", str(16 // accumulation), "--output-dir", str(output)],
                        env={hooks.COUNT_ALLREDUCES_ENV: "1"}), output
         return once_per_session(tmp_path_factory, f"ddp-{accumulation}", launch)

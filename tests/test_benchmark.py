@@ -136,6 +136,26 @@ def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy
     assert "Throughput against the limit:" in table and "- measured peak, cpu fp32: " in table
 
 
+def test_a_batch_sweep_runs_each_row_at_each_batch_and_charts_its_mfu(tmp_path):
+    """--batch-size 8,16: a row per batch size, each with its step shapes and MFU on the real tokens beside
+    MFU on those computed (a CPU: against the measured peak), and the chart's panel of MFU per batch."""
+    run([PYTHON, "benchmark.py", "--only", "single", "--batch-size", "8,16", "--max-steps", "4", *DATA,
+         "--output-dir", str(tmp_path)], env=CPU_ONLY, timeout=600)
+    report = load_report(tmp_path)
+    assert report["batch_sizes"] == [8, 16]
+    rows = {row["row"]: row for row in report["rows"]}
+    assert list(rows) == ["single-b8", "single-b16"]
+    for batch, row in zip((8, 16), rows.values()):
+        result = read_result(tmp_path / row["row"])
+        assert row["batch_per_process"] == result["batch_size_per_process"] == batch and row["step_shapes"] >= 1
+        assert 0 < row["mfu_measured_real"] < row["mfu_measured"]  # padding is computed, not real
+        assert row["mfu_measured_real"] == pytest.approx(row["mfu_measured"] * result["real_flops_share"], abs=1e-4)
+        table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
+        assert f"| {row['mfu_measured_real']:.1%} ({row['mfu_measured']:.1%}) |" in table
+    assert bench_report.batch_chart in bench_report.chart_panels(report)
+    assert [len(points) for points in bench_report.sweep_points(report).values()] == [2]
+
+
 def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     # A stale result from an earlier run must not be reported for a launch that fails.
     (tmp_path / "ddp").mkdir()
@@ -175,6 +195,8 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--max-steps", "0"], "error: --max-steps must be at least 1, got 0"),
     (["--publish", "../x"], "error: --publish ../x: a suffix of lower-case letters, digits and dashes"),
     (["--nnodes", "1,0"], "error: --nnodes takes node counts of at least 1"),
+    (["--batch-size", "32,0"], "error: --batch-size takes batch sizes of at least 1, like 2 or 1,2,4; got '32,0'"),
+    (["--global-batch", "64", "--batch-size", "16,32"], "error: --global-batch sets each script's --batch-size"),
     (["--nnodes", "2"], "error: --nnodes 2 runs each row across the nodes of a Slurm job: submit slurm/benchmark.sbatch"),
 ])
 def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
@@ -197,7 +219,7 @@ def options_for(row, gpus=0, nprocs=2, **overrides):
                   grad_accum=None, profile=None, passthrough=[], strategy_options={})
     args = argparse.Namespace(**{**values, **overrides})
     variants = {variant.name: variant for variant in rows.BUILT_IN_VARIANTS}
-    return options.script_options(args, variants[row], rows.ROOT / "out", "tiny", gpus, nprocs)
+    return options.script_options(args, variants[row], rows.ROOT / "out", "tiny", gpus, nprocs, args.batch_size)
 
 
 def test_every_launch_line_and_the_options_each_row_gets():

@@ -12,7 +12,8 @@ RECORDS = common.load_records(ROOT / "data" / "train.json")
 
 
 def args(**overrides):
-    values = dict(batch_size=4, grad_accum=1, no_shuffle=False, group_by_length=False, seed=123, num_workers=0)
+    values = dict(batch_size=4, grad_accum=1, no_shuffle=False, group_by_length=False, seed=123, num_workers=0,
+                  pad_to_multiple_of=None)
     return types.SimpleNamespace(**{**values, **overrides})
 
 
@@ -152,7 +153,7 @@ def test_eval_shards_give_each_dev_sample_once():
 
 def test_batches_are_padded_to_their_longest_text_not_to_max_len():
     train, _, tokenizer = tiny_datasets()
-    batch = common.PadToLongest(tokenizer.pad_token_id)([train[0, 0.5], train[1, 0.5], train[2, 0.0]])
+    batch = common.PadBatch(tokenizer.pad_token_id)([train[0, 0.5], train[1, 0.5], train[2, 0.0]])
     lengths = [len(ids) for ids in train.input_ids[:3]]
     assert batch["input_ids"].shape == (3, max(lengths))
     assert batch["attention_mask"].sum(dim=1).tolist() == lengths
@@ -161,6 +162,29 @@ def test_batches_are_padded_to_their_longest_text_not_to_max_len():
         assert batch["input_ids"][row, :length].tolist() == train[row, 1.0][1]
     assert batch["index"].tolist() == [0, 1, 2] and batch["labels"].dtype == torch.long
     assert batch["weight"].tolist() == [0.5, 0.5, 0.0]
+
+
+def test_padding_to_a_multiple_gives_a_handful_of_shapes_that_differ_only_in_length():
+    """--pad-to-multiple-of 16 (a GPU's default): each batch's length is its longest text rounded up to a
+    multiple of 16, at most --max-seq-len (40 here: a ladder of 16, 32, 40), and the samplers fill a short
+    micro-batch with repeats of weight 0, so every shape is (batch size, a length of the ladder)."""
+    train, dev = common.split_records(RECORDS, 200, 0.2, 123)  # 160 and 40: short last batches over 3 x 8
+    tokenizer, _ = models.build_tiny_model([t for t, _ in train], 123, {"num_labels": 6})
+    train, dev = (common.EncodedDataset(records, tokenizer, 40) for records in (train, dev))
+    for dataset, sampler in ((train, common.train_sampler), (dev, common.eval_sampler)):
+        options = args(batch_size=8, pad_to_multiple_of=16, max_seq_len=40)
+        for rank in range(3):
+            batches = list(sampler(dataset, options, 3, rank))
+            assert len(batches[-1]) == 8 and batches[-1][-1][1] == 0.0  # the short last one, filled
+            shapes = set()
+            for batch in batches:
+                collated = common.PadBatch(tokenizer.pad_token_id, 16, 40)([dataset[key] for key in batch])
+                longest = max(len(dataset.input_ids[index]) for index, _ in batch)
+                assert collated["input_ids"].shape[1] == min(-(-longest // 16) * 16, 40)
+                shapes.add(tuple(collated["input_ids"].shape))
+            assert {batch for batch, _ in shapes} == {8} and {length for _, length in shapes} <= {16, 32, 40}
+    # Without it (a CPU's default) the last micro-batch is as short as its share.
+    assert len(list(common.train_sampler(train, args(batch_size=8), 3, 0))[-1]) < 8
 
 
 def test_texts_are_truncated_to_max_seq_len():

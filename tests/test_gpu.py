@@ -27,7 +27,7 @@ if _MISSING:
         pytest.fail(message, pytrace=False)
     pytest.skip(message, allow_module_level=True)
 
-from conftest import (DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, free_port, load_weights,  # noqa: E402
+from conftest import (DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_same_weights, free_port, load_weights,  # noqa: E402
                       read_result, require, run, untrained_dev_loss)
 
 GPUS = torch.cuda.device_count()
@@ -89,18 +89,56 @@ def test_one_gpu_learns_and_reports_its_peak_memory(single_gpu):
 
 @needs(1)
 def test_compiled_tf32_on_one_gpu_tracks_eager_fp32_and_reports_its_mfu(tmp_path, single_gpu):
-    """--compile --tf32: one graph for every batch length, the steps' pace against the GPU's published
-    TF32 peak where flops.py knows the GPU, and the eager IEEE fp32 run's metrics within TF32's
-    precision (10 mantissa bits in the products)."""
+    """--compile --tf32: static shapes, a graph per padded length (a GPU pads to multiples of 16), the
+    steps' pace against the GPU's published TF32 peak where flops.py knows the GPU, and the eager IEEE
+    fp32 run's metrics within TF32's precision (10 mantissa bits in the products)."""
     from support import flops
     run([PYTHON, "single-gpu-cls.py", *GPU, *EXACT, "--batch-size", "32", "--compile", "--tf32",
          "--output-dir", str(tmp_path)])
     result = assert_gpu_run(tmp_path, world_size=1)
-    assert result["compiled"] is True and result["compiled_graphs"] == 1
+    assert result["compiled"] is True and result["compile_dynamic"] == "static"
+    assert result["pad_to_multiple_of"] == 16 and result["compiled_graphs"] == result["step_shapes"] <= 128 // 16
     assert result["compute_precision"] == "tf32" and result["first_step_seconds"] > 0
     peak, _ = flops.published_peak(torch.cuda.get_device_name(0), "tf32")
     assert (result["mfu"] is not None) is (peak is not None) and (result["mfu"] or 0) < 1
     assert abs(result["dev_loss"] - read_result(single_gpu)["dev_loss"]) < 0.01
+
+
+@needs(1)
+@pytest.mark.parametrize("script", ["single-gpu-cls.py", "multi-gpu-distributed-mp-amp-cls.py"])
+def test_cuda_graphs_replay_the_steps_and_track_eager_fp32(tmp_path, single_gpu, script):
+    """--compile-mode reduce-overhead: one device, and DDP with bf16 autocast (its spawn script, one
+    process): a CUDA graph recorded per step shape and part, metrics within bf16's of the eager run."""
+    options = ["--nprocs", "1", "--precision", "bf16"] if "amp" in script else []
+    run([PYTHON, script, *GPU, *EXACT, *options, "--batch-size", "32", "--compile-mode", "reduce-overhead",
+         "--output-dir", str(tmp_path)])
+    result = assert_gpu_run(tmp_path, world_size=1, precision="bf16" if options else "fp32")
+    assert result["compile_mode"] == "reduce-overhead" and result["step_shapes"] <= 128 // 16
+    assert result["cuda_graphs"] >= result["step_shapes"], result["cuda_graphs"]
+    assert abs(result["dev_loss"] - read_result(single_gpu)["dev_loss"]) < (0.05 if options else 0.01)
+
+
+@needs(1)
+def test_a_training_step_on_the_gpu_never_waits_for_it():
+    """The model's forward and backward with the Trainer's mask (models.prepared_mask): no operation that
+    makes the CPU wait for the GPU (torch's sync debug mode raises on one), where the 2D mask makes
+    transformers read `mask.all()` back."""
+    import common
+    from support import models
+    records = common.load_records(ROOT / "data" / "train.json")[:40]
+    tokenizer, model = models.build_tiny_model([text for text, _ in records], 0, {"num_labels": 6})
+    dataset = common.EncodedDataset(records, tokenizer, 128)
+    batch = common.PadBatch(tokenizer.pad_token_id, 16)([dataset[index, 1.0] for index in range(8)])
+    batch = {key: value.cuda() for key, value in batch.items()}
+    model.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(input_ids=batch["input_ids"], attention_mask=models.prepared_mask(batch["attention_mask"])
+              ).logits.sum().backward()
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @needs(1)

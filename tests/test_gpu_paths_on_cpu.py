@@ -78,6 +78,47 @@ def test_model_state_is_counted_per_device_and_only_the_gpu_part_leaves_the_gpu_
     assert "peak_memory_beyond_model_state_mb" not in count.result_fields(torch.device("cpu"), peak_memory_mb=10.0)
 
 
+def test_the_model_gets_a_mask_it_need_not_read_back(monkeypatch):
+    """Given the 2D padding mask, transformers asks on every forward whether any token is padding
+    (`mask.all()` read as a bool): on a GPU the CPU then waits for the GPU once per micro-batch. The
+    4D mask the Trainer passes (models.prepared_mask) goes to SDPA as it is: no tensor read as a bool,
+    and the same logits."""
+    import common
+    from support import models
+    records = common.load_records(ROOT / "data" / "train.json")[:40]
+    tokenizer, model = models.build_tiny_model([text for text, _ in records], 0, {"num_labels": 6})
+    dataset = common.EncodedDataset(records, tokenizer, 128)
+    batch = common.PadBatch(tokenizer.pad_token_id, 16)([dataset[index, 1.0] for index in range(8)])
+    reads, to_bool = [], torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda tensor: reads.append(tensor.shape) or to_bool(tensor))
+    model.eval()
+    with torch.no_grad():
+        unprepared = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        assert reads, "transformers no longer reads the 2D mask back: prepared_mask may be unneeded"
+        reads.clear()
+        prepared = model(input_ids=batch["input_ids"], attention_mask=models.prepared_mask(batch["attention_mask"]))
+    assert reads == [] and torch.equal(prepared.logits, unprepared)
+
+
+def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(tmp_path):
+    """--compile-mode reduce-overhead: on a CPU, and for the strategies whose hooks move gradients or
+    weights between the compiled kernels; the rest compile with it."""
+    from support import cli, models
+    args = cli.build_parser("single-gpu-cls.py", "").parse_args(["--compile-mode", "reduce-overhead",
+                                                                  "--output-dir", str(tmp_path)])
+    args.pad_to_multiple_of = 16
+    cuda = torch.device("cuda", 0)
+    for device, name, problem in [(torch.device("cpu"), "single-device", "which need a GPU"),
+                                  (cuda, "fsdp2", "fsdp2 updates gradients or weights in hooks"),
+                                  (cuda, "deepspeed", "deepspeed updates"), (cuda, "horovod", "horovod updates")]:
+        with pytest.raises(cli.UserError, match=f"^--compile-mode reduce-overhead.*{problem}"):
+            models.compile_options(args, SimpleNamespace(device=device, name=name))
+    for name in models.CUDA_GRAPH_STRATEGIES:
+        options = models.compile_options(args, SimpleNamespace(device=cuda, name=name))
+        assert options == {"mode": "reduce-overhead", "dynamic": False}  # static shapes: a graph per length
+    assert cli.check_args(args).compile is True  # the mode implies --compile
+
+
 def deepspeed_args(config=None):
     return Namespace(deepspeed_config=config, zero_stage=None, offload=None, precision=None, batch_size=16,
                      grad_accum=1)

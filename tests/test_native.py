@@ -35,10 +35,16 @@ def test_ddp_under_torchrun_equals_the_single_device_run(ddp_run, single_referen
 
 
 def test_ddp_under_the_legacy_launcher_equals_the_single_device_run(ddp_run, single_reference):
-    """python -m torch.distributed.launch, 2 processes x 4 x 4 micro-batches (conftest's ddp_run)."""
+    """python -m torch.distributed.launch, 2 processes x 4 x 4 micro-batches (conftest's ddp_run), each
+    batch padded to a multiple of 16 tokens and the last step's short micro-batch filled with repeats of
+    weight 0, as on a GPU: a handful of shapes, and still one device's weights."""
     process, output = ddp_run(4)
     result = assert_distributed_result(output, "ddp", "torch.distributed.launch")
     assert result["global_batch_size"] == 32 and result["steps"] == 11  # 10 of 32 and one of 12
+    assert result["pad_to_multiple_of"] == 16 and result["step_shapes"] <= 128 // 16
+    assert read_result(single_reference)["step_shapes"] > 128 // 16  # what padding to the longest gives
+    # 10 steps of 4 micro-batches and a last one of 2 (12 samples: 8, then 4 filled to 8), 8 rows each.
+    assert result["real_sequences"] == 332 and result["computed_sequences"] == (10 * 4 + 2) * 8
     assert process.stdout.count("耗时：") == 1
     assert_same_weights(single_reference / "model", output / "model")
 

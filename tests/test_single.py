@@ -51,6 +51,9 @@ def test_single_device_trains_evaluates_saves_and_predicts(first_run):
     sampler.set_epoch(1)
     batches = [[lengths[i] for i in batch] for batch in sampler.global_batches()]
     assert result["computed_sequences"] == 332 and result["real_tokens"] == sum(lengths)
+    assert result["real_sequences"] == 332 and result["real_attended_pairs"] == sum(n * n for n in lengths)
+    assert result["pad_to_multiple_of"] == 1  # a CPU's default: each batch to its longest text
+    assert result["step_shapes"] == len({(len(batch), max(batch)) for batch in batches})
     assert result["computed_tokens"] == sum(len(batch) * max(batch) for batch in batches)
     assert result["attended_pairs"] == sum(len(batch) * max(batch) ** 2 for batch in batches)
     assert result["model_flops"] == flops.training_flops(initial.config, result["computed_tokens"],
