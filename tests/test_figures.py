@@ -109,6 +109,18 @@ def test_the_readme_notes_under_the_results_table_are_the_committed_runs(run, ro
     assert f"(wall {deepspeed['wall_seconds']:.1f} s, training {deepspeed['train_seconds']:.1f} s)" in notes
 
 
+def test_the_choice_guide_quotes_the_committed_runs(rows, real_size_rows):
+    """The README's "Which to use": DDP's and FSDP2's speed-ups from the CPU table, and the model state
+    FSDP2 and ZeRO-3 hold at 4 processes against DDP's, from the real-size run."""
+    guide = words(section(README, "## Which to use", "## The strategies"))
+    assert f"({rows['ddp']['speedup']:.2f}x `single` at 2 processes" in guide
+    assert f"FSDP2 {rows['fsdp']['speedup']:.2f}x" in guide
+    held = {name: real_size_rows[name]["model_state_bytes"]["total"] / MB for name in ("fsdp-n4", "deepspeed-zero3-n4")}
+    ddp = real_size_rows["ddp"]["model_state_bytes"]["total"] / MB
+    assert f"{held['fsdp-n4']:.0f} and {held['deepspeed-zero3-n4']:.0f} MB of DDP's {ddp:,.0f} MB" in guide
+    assert all(size < ddp / 3 for size in held.values())
+
+
 def test_the_tiny_models_accuracy_range_is_the_committed_runs(rows):
     """The README's "about 0.41-0.44" (the one place it is written) spans every row's dev accuracy."""
     quoted = re.findall(r"dev accuracy of about (\d\.\d\d)-(\d\.\d\d) with the tiny model", words(README))
