@@ -116,7 +116,7 @@ def estimate(row, measured):
                                ("+compile-static", compile_cost, " again: shapes recompiled (assumed)"),
                                ("+compile-dynamic", 0, ""), ("+compile", 0, "")):
         if row.endswith(suffix):
-            base, base_source = estimate(row[:-len(suffix)], measured)
+            base = estimate(row[:-len(suffix)], measured)[0]
             seconds = base + compile_cost + extra
             return seconds, f"{row[:-len(suffix)]} + {compile_cost:.0f} s compilation (ddp+compile's){how}"
     if row.endswith("-longest"):
