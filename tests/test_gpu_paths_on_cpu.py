@@ -192,39 +192,3 @@ def test_attention_leaves_cudnn_on_a_gpu_only(monkeypatch):
     assert calls == []
     machine.use_attention_without_plans(torch.device("cuda", 0))
     assert calls == [False]
-
-
-def test_gpu_check_dry_run_prints_the_plan_real_size_first_and_the_command_that_runs_it():
-    """The GPU check is prepared here and run where a GPU is lent for minutes: --dry-run, on any machine,
-    says what it will run, how long that should take on one H100, and how to run it without network."""
-    import re
-    plan = run(["bash", "scripts/gpu-check.sh", "--dry-run"]).stdout
-    steps = re.findall(r"^  (tests|tiny|base-shape|real|compiled) +about +(\d+) s", plan, re.M)
-    assert [step for step, _ in steps][1:] == ["compiled", "tests", "tiny"] and steps[0][0] in ("base-shape", "real")
-    total = re.search(r"in all: about (\d+) min (\d+) s", plan)
-    assert int(total[1]) * 60 + int(total[2]) == sum(int(seconds) for _, seconds in steps)
-    assert "scripts/fetch-gpu-wheels.sh .whl" in plan and "scripts/gpu-check.sh --wheels .whl" in plan
-    assert "ddp-tf32" in plan and "--compile" in plan
-    chosen = run(["bash", "scripts/gpu-check.sh", "--dry-run", "base-shape", "tests"]).stdout
-    assert re.findall(r"^  (\S+) +about", chosen, re.M) == ["base-shape", "tests"]
-    wrong = run(["bash", "scripts/gpu-check.sh", "bogus"], check=False)
-    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "unknown step 'bogus'" in wrong.stderr
-
-
-def test_gpu_check_finds_the_real_weights_where_model_auto_does(tmp_path):
-    """--model auto takes the real model from model_hub/ or the Hugging Face cache: so does the GPU
-    check's real-size step (a GPU machine without network has the cache, not model_hub/)."""
-    import re
-    if (ROOT / "model_hub" / "chinese-bert-wwm-ext" / "config.json").is_file():
-        pytest.skip("model_hub/ holds the real weights: the check takes them from there")
-
-    def real_size_step(hf_home):
-        plan = run(["bash", "scripts/gpu-check.sh", "--dry-run"], env={"HF_HOME": str(hf_home), "HF_HUB_CACHE": ""}).stdout
-        return re.findall(r"^  (tests|tiny|base-shape|real|compiled) +about", plan, re.M)[0]
-    assert real_size_step(tmp_path / "empty") == "base-shape"
-    snapshot = tmp_path / "hf" / "hub" / "models--hfl--chinese-bert-wwm-ext" / "snapshots" / "0123abcd"
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text("{}", encoding="utf-8")
-    assert real_size_step(tmp_path / "hf") == "base-shape", "a config without weights is no model"
-    (snapshot / "model.safetensors").write_bytes(b"")
-    assert real_size_step(tmp_path / "hf") == "real"
