@@ -443,6 +443,36 @@ def test_without_a_gpu_the_runner_trains_the_tiny_model_unless_told_otherwise(mo
     assert provenance.resolve_model("auto", gpus=0) == ("hub-model", None)
 
 
+def test_the_header_versions_each_library_as_the_rows_import_it(monkeypatch):
+    """The header read lightning-fabric's metadata while the fabric row imported lightning_fabric, which
+    the whole lightning also installs: "not installed" beside a row that ran. Each module is versioned by
+    the distributions that provide it, named where their name is not the module's."""
+    installed = {"torch": "2.13.0", "lightning": "2.5.0", "lightning-fabric": "2.6.6"}
+
+    def version(distribution):
+        if distribution not in installed:
+            raise provenance.metadata.PackageNotFoundError(distribution)
+        return installed[distribution]
+    monkeypatch.setattr(provenance.metadata, "version", version)
+    monkeypatch.setattr(provenance, "importable", lambda module: module in ("torch", "lightning_fabric", "accelerate"))
+    versions = provenance.library_versions({"torch": ["torch"], "lightning_fabric": ["lightning"],
+                                            "horovod": ["horovod"]})
+    assert versions["torch"] == "2.13.0"
+    assert versions["lightning_fabric"] == "2.5.0 (lightning)"
+    assert versions["horovod"] == "not installed"  # metadata left behind, no module
+    assert versions["accelerate"] == "installed, no distribution metadata"
+    both = provenance.library_versions({"lightning_fabric": ["lightning-fabric", "lightning"]})
+    assert both["lightning_fabric"] == "2.6.6, 2.5.0 (lightning)"
+
+
+def test_the_header_versions_this_environment_as_requirements_pins_them():
+    pins = dict(line.split("#")[0].strip().split("==") for line in (ROOT / "requirements.txt").read_text().splitlines()
+                if "==" in line.split("#")[0])
+    versions = provenance.library_versions()
+    assert versions["lightning_fabric"] == pins["lightning-fabric"]
+    assert versions["torch"].split("+")[0] == pins["torch"]
+
+
 def test_the_plan_says_how_long_it_should_take(monkeypatch):
     """Before the first launch: the tiny model from the committed run's rows on 2 cores, a real-size
     model on a CPU from one timed step (hours), GPUs without an estimate."""
