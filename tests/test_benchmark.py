@@ -473,6 +473,28 @@ def test_the_header_versions_this_environment_as_requirements_pins_them():
     assert versions["torch"].split("+")[0] == pins["torch"]
 
 
+def test_a_plan_whose_largest_count_leaves_too_few_steps_says_which_option_fixes_it():
+    """One epoch of 9,200 samples is 36 steps at 8 GPUs x 32, 9 at 32: the runner warns before any launch,
+    and each fix it names, applied, silences it; --max-steps below the threshold is the user's choice."""
+    def warning(*argv, gpus=0):
+        args = options.parse_args(list(argv), gpus)
+        return estimate.few_steps_warning(args, options.plan(args, gpus), gpus)
+    assert warning("--nprocs", "8", gpus=8) is None
+    assert warning() is None
+    line = warning("--nprocs", "32", "--device", "cpu")
+    assert re.search(r"9 row\(s\) \(ddp, .*fewer than 20 optimizer steps, 9 at a global batch of 1,024 \(9,200 training", line)
+    fixes = re.findall(r"(--epochs|--max-samples) (\d+)", line)
+    assert [option for option, _ in fixes] == ["--epochs", "--max-samples"]
+    less = {"--epochs": 1, "--max-samples": 1200}  # a global batch of 1,024 is 1,113 samples before the dev set
+    for option, value in fixes:
+        assert warning("--nprocs", "32", "--device", "cpu", option, value) is None
+        assert warning("--nprocs", "32", "--device", "cpu", option, str(int(value) - less[option])) is not None
+    assert warning("--nprocs", "8", "--batch-size", "32,128", gpus=8).count("dataparallel") == 1
+    assert warning("--nprocs", "32", "--device", "cpu", "--max-steps", "5") is None
+    # Half the samples held out for dev: no --max-samples of the data's 40,133 records is enough.
+    assert "--max-samples" not in warning("--nprocs", "32", "--device", "cpu", "--dev-ratio", "0.5")
+
+
 def test_the_plan_says_how_long_it_should_take(monkeypatch):
     """Before the first launch: the tiny model from the committed run's rows on 2 cores, a real-size
     model on a CPU from one timed step (hours), GPUs without an estimate."""
