@@ -482,7 +482,8 @@ def test_a_plan_whose_largest_count_leaves_too_few_steps_says_which_option_fixes
     assert warning("--nprocs", "8", gpus=8) is None
     assert warning() is None
     line = warning("--nprocs", "32", "--device", "cpu")
-    assert re.search(r"9 row\(s\) \(ddp, .*fewer than 20 optimizer steps, 9 at a global batch of 1,024 \(9,200 training", line)
+    assert re.search(r"9 row\(s\) \(ddp, .*fewer than 20 optimizer steps, 9 at a global batch of 1,024 "
+                     r"\(9,200 training", line)
     fixes = re.findall(r"(--epochs|--max-samples) (\d+)", line)
     assert [option for option, _ in fixes] == ["--epochs", "--max-samples"]
     less = {"--epochs": 1, "--max-samples": 1200}  # a global batch of 1,024 is 1,113 samples before the dev set
