@@ -296,11 +296,13 @@ def chart(report, path):
 
 
 def chart_panels(report):
-    """Time and dev accuracy per row always; the speed-up per row when there is a single row to
-    compare with; MFU when a peak is known; the speed-up against processes for a sweep (--nprocs
+    """Time and dev accuracy per row always; the training loss per step where rows have it; the speed-up
+    per row when there is a single row to compare with; MFU when a peak is known; the speed-up against processes for a sweep (--nprocs
     1,2,...); the time per step by phase with --profile; the model state per process. A panel without
     figures is left out."""
     panels = [time_chart, accuracy_chart]
+    if loss_rows(report):
+        panels.append(loss_chart)
     if any(row.get("speedup") is not None for row in report["rows"]):
         panels.append(speedup_chart)
     if len(report["counts"]) > 1 and scaling_rows(report):
@@ -354,6 +356,27 @@ def accuracy_chart(axis, report):
     axis.set_ylim(0, 1)
     axis.set_ylabel("dev accuracy")
     axis.set_title("dev accuracy per row", fontsize=9)
+
+
+def loss_rows(report):
+    """The rows with a training loss for more than one step (result.json's train_loss_curve)."""
+    return [row for row in report["rows"]
+            if row["status"] == "ok" and len((row.get("train_loss_curve") or {}).get("loss", [])) > 1]
+
+
+def loss_chart(axis, report):
+    """Each row's loss over its global batch, step by step: rows at the same global batch and precision
+    train the same steps, so their lines lie on one another (single's, thick and grey, underneath)."""
+    for row in loss_rows(report):
+        curve, single = row["train_loss_curve"], row["strategy"] == "single"
+        steps = range(curve["first_step"], curve["first_step"] + len(curve["loss"]))
+        style = {"color": "gray", "linewidth": 5, "alpha": 0.5, "zorder": 1} if single else {"linewidth": 1}
+        axis.plot(steps, curve["loss"], label=f"{row_label(row)}: batch {row['global_batch']}, {row['precision']}",
+                  **style)
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("training loss (mean over the global batch)")
+    axis.set_title("training loss per step: the rows of one global batch and precision share a line", fontsize=9)
+    axis.legend(fontsize=7, ncol=2)
 
 
 def speedup_chart(axis, report):

@@ -535,6 +535,31 @@ def test_the_chart_draws_only_the_panels_the_run_has_figures_for():
     assert mfu_chart in chart_panels(measured)
 
 
+def test_the_loss_panel_draws_each_rows_curve_step_by_step():
+    """Every row with a loss curve (result.json's, the median run's) gets a line at its own steps, single's
+    underneath the rest: where they train the same steps, the lines lie on one another."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from bench.report import chart_panels, loss_chart
+
+    def row(name, strategy, loss, first_step=1, status="ok"):
+        return {"row": name, "strategy": strategy, "status": status, "global_batch": 32, "precision": "fp32",
+                "train_loss_curve": {"first_step": first_step, "loss": loss}}
+    report = {"counts": [2], "rows": [row("single", "single", [1.8, 1.7, 1.5]), row("ddp", "ddp", [1.8, 1.7, 1.5]),
+                                      row("fsdp", "fsdp", [1.6, 1.4], first_step=2),
+                                      row("horovod", "horovod", [1.0, 2.0], status="failed"),
+                                      row("deepspeed", "deepspeed", [1.8])]}
+    assert loss_chart in chart_panels(report)
+    figure, axis = plt.subplots()
+    loss_chart(axis, report)
+    lines = {line.get_label().split(":")[0]: (list(line.get_xdata()), list(line.get_ydata())) for line in axis.lines}
+    plt.close(figure)
+    assert lines == {"single": ([1, 2, 3], [1.8, 1.7, 1.5]), "ddp": ([1, 2, 3], [1.8, 1.7, 1.5]),
+                     "fsdp": ([2, 3], [1.6, 1.4])}
+    assert loss_chart not in chart_panels({"counts": [2], "rows": [row("single", "single", [1.8])]})
+
+
 def test_the_report_presents_from_the_report_alone():
     """report.py reads the report dict (benchmark.json) and nothing else: no torch, no common."""
     loaded = run([PYTHON, "-c", "import sys, bench.report; print(sorted({'torch', 'common'} & set(sys.modules)))"])
