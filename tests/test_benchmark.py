@@ -331,6 +331,26 @@ def test_more_processes_than_cores_are_said_to_prove_the_mechanics_not_the_speed
         "note: 3 and 4 processes exceed the 2 usable cores: those runs prove the mechanics, not the speed")
 
 
+def test_each_column_names_its_statistic_and_the_header_which_launch_a_row_shows():
+    """Of 2 launches the table shows the faster (summarize's lower median), not a median: the header says
+    which; a column with a spread says so, and the throughput table's median step stands beside mean
+    rates, each named."""
+    report = json.loads((ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json").read_text(encoding="utf-8"))
+    assert report["repeat"] == 2
+    text = bench_report.markdown(report)
+    assert "each row shows the faster of its 2 launches (the lower median of two) by training time" in text
+    assert "| global batch | train s (min-max) | samples/s, whole loop | speed-up |" in text
+    assert "| wall s (min-max) | options |" in text
+    assert "| first step s | median steady step ms | mean samples/s over steady steps | mean tokens/s, whole loop |" in text
+    report["repeat"] = 3
+    assert "each row shows the median of its 3 launches by training time" in bench_report.markdown(report)
+    report["repeat"] = 4
+    assert "the median of its 4 launches (the lower of the middle two)" in bench_report.markdown(report)
+    report["repeat"] = 1
+    assert "| global batch | train s | samples/s, whole loop |" in bench_report.markdown(report)
+    assert "(min-max)" not in bench_report.terminal_report(report)
+
+
 def test_a_speedup_within_the_noise_floor_of_another_is_marked():
     def row(name, samples_per_second, seconds):
         return {"row": name, "variant": name, "strategy": "ddp" if name != "single" else "single", "nprocs": 2,
