@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from bench import report as benchmark_report
-from bench.estimate import announce_real_size, expected_duration
+from bench.estimate import announce_real_size, expected_duration, few_steps_warning
 from bench.options import list_rows, parse_args, plan
 from bench.provenance import describe_machine, git_state, gpu_count, library_versions, resolve_model
 from bench.rows import STRATEGIES, relative
@@ -102,9 +102,9 @@ def main():
     report = new_report(args, cells, model, model_note)
     for line in benchmark_report.header_lines(report)[:4]:
         print(line, flush=True)
-    duration = expected_duration(args, cells, model, gpus)
-    if duration:
-        print(duration, flush=True)
+    for line in (few_steps_warning(args, cells, gpus), expected_duration(args, cells, model, gpus)):
+        if line:
+            print(line, flush=True)
 
     def after_each():  # what finished so far survives an interruption
         report["rows"] = [summarize(cell) for cell in cells]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from support import checkpoints, measure, models, results
+from support import checkpoints, curves, measure, models, results
 from support.errors import UserError
 from support.machine import computes_natively, set_threads, use_attention_without_plans, use_tf32
 
@@ -301,12 +301,13 @@ class Trainer(Run):
         results.announce(self)
         checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
-        # Callbacks beside the loop, called at its named points: the counts, the model state and the
-        # throughput always, any that SUITE_CALLBACKS names, the step profile with --profile, and a
-        # checkpoint when a scheduler signals with --save-on-signal.
-        self.progress = measure.Progress(self, first_step)
+        # Callbacks beside the loop, called at its named points: the counts, the model state, the
+        # throughput and the curves (TensorBoard's) always, any that SUITE_CALLBACKS names, the step
+        # profile with --profile, and a checkpoint when a scheduler signals with --save-on-signal.
+        self.progress, throughput = measure.Progress(self, first_step), measure.Throughput(self)
         self.callbacks = [self.progress, measure.ModelStateCount(self.strategy, self.model, self.optimizer),
-                          measure.Throughput(self), *measure.extra_callbacks(self)]
+                          throughput, curves.Curves(self, self.optimizer, throughput, first_step),
+                          *measure.extra_callbacks(self)]
         if self.args.profile:
             self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
         if self.args.save_on_signal:
@@ -326,15 +327,17 @@ class Trainer(Run):
         for epoch, step, micro_batches in self.optimizer_steps(first_step):
             # One optimizer step: the gradients of its micro-batches add up (--grad-accum), each
             # sample weighed by 1 / (samples in the step), then one update.
+            self.step_loss = torch.zeros((), device=strategy.device)  # this process's part of the step's loss
             for batch, last in micro_batches:
                 with strategy.accumulating(model, last=last):
                     with self.phase("forward"):
                         _, loss = self.forward(batch)
                     with self.phase("backward"):
                         strategy.backward(loss)
-                loss_sum += loss.detach()
+                self.step_loss += loss.detach()
             with self.phase("optimizer step"):
                 strategy.step(model, self.optimizer)
+            loss_sum += self.step_loss
             self.notify("on_step_end", step)
             steps_summed += 1
             if step % args.log_steps == 0 or step == self.total_steps():

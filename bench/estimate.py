@@ -1,13 +1,17 @@
-"""--real-size's checks before any launch (the memory a plan needs), and how long a plan should take
-here. Torch is imported only to time a step."""
+"""--real-size's checks before any launch (the memory a plan needs), how long a plan should take here,
+and whether its rows have enough steps to time. Torch is imported only to time a step."""
+import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
 
 from support import cli
 
-from .rows import ROOT, SCRIPT_BATCH_SIZE, SCRIPT_DEV_RATIO, SCRIPT_MAX_SAMPLES, STRATEGIES, relative
+from .options import devices
+from .rows import (ROOT, SCRIPT_BATCH_SIZE, SCRIPT_DEFAULTS, SCRIPT_DEV_RATIO, SCRIPT_MAX_SAMPLES, STRATEGIES,
+                   relative)
 
 
 # One launch's resident memory per process, from a 2-process DDP run of base-shape (2.66 GB peak on rank 0):
@@ -143,3 +147,55 @@ def expected_duration(args, cells, model, gpus):
     hours = seconds / 3600
     return (f"plan: {launches} launch(es) of a BERT-base-sized model on the CPU, about {hours:.1f} hours (a step "
             f"took {step_seconds:.1f} s here); --model tiny compares the strategies in minutes")
+
+
+# Fewer optimizer steps than this leave too few steady steps to time: the first is timed apart, and the
+# median of a handful moves with any one of them.
+FEW_STEPS = 20
+
+
+def few_steps_warning(args, cells, gpus):
+    """One line when the plan's largest global batch leaves its rows fewer than FEW_STEPS optimizer steps,
+    with the --epochs or --max-samples that gives enough; None when there are enough, or when --max-steps
+    asks for fewer."""
+    if args.max_steps and args.max_steps < FEW_STEPS:
+        return None
+    global_batches = {cell["row"]: args.global_batch or (cell["batch_size"] or SCRIPT_BATCH_SIZE) * (
+        args.grad_accum or 1) * cell["nnodes"] * devices(STRATEGIES[cell["strategy"]], cell["nprocs"], gpus)
+        for cell in cells}
+    largest = max(global_batches.values())
+    samples, (dev_ratio, records) = args.max_samples or SCRIPT_MAX_SAMPLES, script_data(args.passthrough)
+    train = samples - round(samples * dev_ratio)
+    epochs = args.epochs or 1
+    steps = {row: math.ceil(train / batch) * epochs for row, batch in global_batches.items()}
+    few = [row for row, count in steps.items() if count < FEW_STEPS]
+    if not few:
+        return None
+    fixes = [f"--epochs {math.ceil(FEW_STEPS / (min(steps.values()) // epochs))}"]
+    wanted = math.ceil(FEW_STEPS / epochs) * largest  # training samples: full global batches
+    enough = math.ceil(wanted / (1 - dev_ratio))
+    while enough - round(enough * dev_ratio) < wanted:
+        enough += 1
+    if records is None or enough <= records:
+        fixes.append(f"--max-samples {enough}")
+    return (f"warning: {len(few)} row(s) ({', '.join(few)}) train fewer than {FEW_STEPS} optimizer steps, "
+            f"{min(steps.values())} at a global batch of {largest:,} ({train:,} training samples, {epochs} "
+            f"epoch(s)): too few to time (the first is timed apart); {' or '.join(fixes)} gives {FEW_STEPS} or more")
+
+
+def script_data(passthrough):
+    """The --dev-ratio and the data's record count the scripts will use (the count None where the file
+    cannot be read: the scripts say why)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--dev-ratio", default=SCRIPT_DEV_RATIO)
+    parser.add_argument("--data", default=SCRIPT_DEFAULTS.get_default("data"))
+    known, _ = parser.parse_known_args(passthrough)
+    try:
+        dev_ratio = float(known.dev_ratio)
+    except ValueError:
+        dev_ratio = SCRIPT_DEV_RATIO  # the scripts refuse it, in one line
+    try:
+        records = len(json.loads((ROOT / known.data).read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        records = None
+    return dev_ratio, records

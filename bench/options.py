@@ -13,7 +13,8 @@ from .rows import (BUILT_IN_VARIANTS, DEFAULT_ROWS, ROOT, SCRIPT_BATCH_SIZE, STR
 
 
 # --real-size: every default row and every ZeRO stage at 2 processes, the sharded rows also at 4 (to show
-# the 1/N), with the real model's architecture (--model base-shape) for a few steps each.
+# the 1/N), with the real model's architecture (--model base-shape) for a few steps each; on GPUs, the
+# counts that fit, a process per GPU (real_size_counts).
 REAL_SIZE_EXTRA_ROWS = ["deepspeed-zero1", "deepspeed-zero3"]
 REAL_SIZE_SHARDED_ROWS = {"deepspeed", "deepspeed-zero1", "deepspeed-zero3", "fsdp"}
 REAL_SIZE_COUNTS, REAL_SIZE_SHARDED_COUNTS = [2], [2, 4]
@@ -26,7 +27,7 @@ def parse_args(argv, gpus, description=None):
     """The command line; `gpus` (gpu_count()) sets the default --nprocs; `description`: benchmark.py's."""
     parser = build_parser(gpus, description)
     args, passthrough = parser.parse_known_args(argv)
-    args = check_args(args, passthrough, parser.get_default("nprocs"))
+    args = check_args(args, passthrough, parser.get_default("nprocs"), 0 if "cpu" in passthrough else gpus)
     if gpus and max(args.counts) > gpus and "cpu" not in passthrough:  # one GPU per process: say so before any launch
         raise cli.UserError(f"--nprocs {args.nprocs}: this machine has {gpus} GPU(s) and each process takes one; "
                             "hide them to run CPU processes: CUDA_VISIBLE_DEVICES= ./run.sh --device cpu")
@@ -82,7 +83,8 @@ def add_script_options(parser):
                         help="every script stops after N optimizer steps, then evaluates (default: the whole epochs)")
     parser.add_argument("--real-size", action="store_true",
                         help="the real model's architecture (--model base-shape, random weights): every default row "
-                             "and ZeRO-1/3 at 2 processes, the sharded rows also at 4, with --max-steps "
+                             "and ZeRO-1/3 at 2 processes, the sharded rows also at 4 (on GPUs, the counts that fit: "
+                             "1 GPU runs all at 1, 2-3 GPUs at 2), with --max-steps "
                              f"{REAL_SIZE_DEFAULTS['max_steps']} --profile {REAL_SIZE_DEFAULTS['profile']} "
                              f"--batch-size {REAL_SIZE_DEFAULTS['batch_size']} --max-samples "
                              f"{REAL_SIZE_DEFAULTS['max_samples']} unless given; estimates its duration first")
@@ -161,9 +163,9 @@ def names(option, value, known):
     return chosen
 
 
-def check_args(args, passthrough, default_nprocs):
+def check_args(args, passthrough, default_nprocs, gpus=0):
     if args.real_size:
-        apply_real_size(args, default_nprocs)
+        apply_real_size(args, default_nprocs, gpus)
     args.batch_sizes = parse_counts(str(args.batch_size), "--batch-size", "batch size") if args.batch_size else [None]
     args.batch_size = args.batch_sizes[-1]  # the largest: what the estimates size
     for name in ("repeat", "max_samples", "epochs", "max_steps", "global_batch", "profile"):
@@ -205,14 +207,25 @@ def world_sizes(args):
     return sorted({nnodes * nprocs for nnodes in args.node_counts or [1] for nprocs in args.counts})
 
 
-def apply_real_size(args, default_nprocs):
-    """--real-size: base-shape at 2 processes (the plan adds 4 for the sharded rows), and the plan's
-    defaults where the command line gives none."""
+def real_size_counts(gpus):
+    """--real-size's process counts for the rows and for the sharded rows: 2, and 2 and 4, on a CPU; on
+    `gpus` GPUs, a process per GPU, those that fit (1 GPU: all at 1; 2 or 3: 2; 4 or more: 2, and 4)."""
+    if not gpus:
+        return REAL_SIZE_COUNTS, REAL_SIZE_SHARDED_COUNTS
+    return ([min(count, gpus) for count in REAL_SIZE_COUNTS],
+            [count for count in REAL_SIZE_SHARDED_COUNTS if count <= gpus] or [gpus])
+
+
+def apply_real_size(args, default_nprocs, gpus):
+    """--real-size: base-shape at real_size_counts' process counts (args.sharded_counts for the sharded
+    rows), and the plan's defaults where the command line gives none."""
+    counts, args.sharded_counts = real_size_counts(gpus)
     if args.model not in (None, "base-shape"):
         raise cli.UserError(f"--real-size trains --model base-shape, not {args.model}: leave --model out")
     if args.nprocs != default_nprocs:
-        raise cli.UserError("--real-size runs 2 processes per row, and 4 for the sharded ones: leave --nprocs out")
-    args.model, args.nprocs = "base-shape", ",".join(map(str, REAL_SIZE_COUNTS))
+        raise cli.UserError(f"--real-size runs {','.join(map(str, counts))} process(es) per row, "
+                            f"{','.join(map(str, args.sharded_counts))} for the sharded ones: leave --nprocs out")
+    args.model, args.nprocs = "base-shape", ",".join(map(str, counts))
     for name, value in REAL_SIZE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -275,7 +288,7 @@ def plan(args, gpus):
         entry = STRATEGIES[variant.strategy]
         counts = args.counts if entry.distributed else [1 if entry.name == "single" else args.counts[-1]]
         if args.real_size and variant.name in REAL_SIZE_SHARDED_ROWS:
-            counts = REAL_SIZE_SHARDED_COUNTS
+            counts = args.sharded_counts
         node_counts = args.node_counts if args.node_counts and entry.distributed else [1]
         for batch_size, nnodes, nprocs in itertools.product(args.batch_sizes, node_counts, counts):
             name = (variant.name + (f"-b{batch_size}" if len(args.batch_sizes) > 1 else "")

@@ -1,6 +1,8 @@
 """What a report records about where it ran: the machine, the library versions, the commit, the GPUs
 and the model the rows train."""
+import importlib.util
 import platform
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -11,6 +13,8 @@ from .estimate import bert_parameters
 from .rows import ROOT, python, relative
 
 
+# The modules the rows import, each versioned by the distribution that installed it: lightning_fabric comes
+# from lightning-fabric (requirements.txt) or from the whole lightning.
 VERSIONED = ["torch", "transformers", "accelerate", "deepspeed", "horovod", "lightning_fabric"]
 
 
@@ -36,14 +40,40 @@ def describe_machine():
             "summary": f"{cpu}, {cores} usable cores, {counted}"}
 
 
-def library_versions():
+def library_versions(providers=None):
+    """Python's version and each VERSIONED module's, read as the rows import it; `providers` maps a
+    module to the distributions that install it (default: importlib.metadata.packages_distributions())."""
+    providers = metadata.packages_distributions() if providers is None else providers
     versions = {"python": platform.python_version()}
-    for package in VERSIONED:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "not installed"
+    for module in VERSIONED:
+        versions[module] = module_version(module, providers.get(module, []))
     return versions
+
+
+def module_version(module, distributions):
+    """The version of the distributions that install `module`, each named where its name is not the
+    module's (lightning_fabric from lightning: "2.5.0 (lightning)"); "not installed" where no module of
+    that name can be imported, whatever distribution metadata is left behind."""
+    if not importable(module):
+        return "not installed"
+    found = []
+    for distribution in distributions:
+        try:
+            version = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+        same = canonical(distribution) == canonical(module)
+        found.append(version if same else f"{version} ({distribution})")
+    return ", ".join(dict.fromkeys(found)) or "installed, no distribution metadata"
+
+
+def importable(module):
+    return importlib.util.find_spec(module) is not None
+
+
+def canonical(name):
+    """A distribution's name as PyPI compares them (PEP 503): lightning_fabric is lightning-fabric."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def git_state():

@@ -12,19 +12,34 @@ RESULTS_DIR = ROOT / "docs" / "results"
 
 # ----------------------------------------------------------------------------- the tables
 
-MAIN_COLUMNS = ["row", "processes", "precision", "global batch", "train s", "samples/s", "speed-up", "dev acc",
-                "dev n", "status"]
+# Each column one statistic, named where it is not a plain count: over the whole training loop, or over the
+# steady steps (after the first); a median, or a rate of totals (samples / seconds: the mean rate).
+MAIN_COLUMNS = ["row", "processes", "precision", "global batch", "train s", "samples/s, whole loop", "speed-up",
+                "dev acc", "dev n", "status"]
 DETAIL_COLUMNS = ["row", "strategy", "launcher", "threads", "device", "tokens+pad", "peak MB", "macro-F1", "wall s",
                   "options"]
-SCALING_COLUMNS = ["row", "processes", "samples/s", "speed-up vs 1 process", "scaling efficiency"]
+SCALING_COLUMNS = ["row", "processes", "samples/s, whole loop", "speed-up vs 1 process", "scaling efficiency"]
 MEMORY_COLUMNS = ["row", "processes", "weights MB", "gradients MB", "optimizer state MB", "model state MB",
                   "ZeRO formula MB", "peak MB", "beyond model state MB"]
-PHASE_COLUMNS = ["row", "step ms", "data loading", "forward", "backward", "optimizer step", "exposed comm.",
+PHASE_COLUMNS = ["row", "mean step ms", "data loading", "forward", "backward", "optimizer step", "exposed comm.",
                  "overlapped comm.", "collectives: ms per step (exposed), phase"]
-THROUGHPUT_COLUMNS = ["row", "computes in", "step shapes", "first step s", "steady step ms", "steady samples/s",
-                      "tokens/s", "model TFLOP/s", "MFU real (computed), published peak",
+THROUGHPUT_COLUMNS = ["row", "computes in", "step shapes", "first step s", "median steady step ms",
+                      "mean samples/s over steady steps", "mean tokens/s, whole loop",
+                      "mean model TFLOP/s over steady steps", "MFU real (computed), published peak",
                       "MFU real (computed), measured peak"]
 MODEL_STATE_PARTS = ("parameters", "gradients", "optimizer_state")
+
+
+def spread_columns(columns, repeat):
+    """`columns` with the seconds that show a spread named so (train s, wall s), with --repeat."""
+    return [f"{name} (min-max)" if repeat > 1 and name in ("train s", "wall s") else name for name in columns]
+
+
+def shown_run(repeat):
+    """Which launch of a row the tables show (run.summarize: the lower median by training time)."""
+    if repeat == 2:
+        return "the faster of its 2 launches (the lower median of two)"
+    return f"the median of its {repeat} launches" + (" (the lower of the middle two)" if repeat % 2 == 0 else "")
 
 
 def precision_label(row):
@@ -157,13 +172,14 @@ def header_lines(report):
     nodes = f" on each of --nnodes {report['nnodes']} Slurm nodes" if report.get("nnodes") else ""
     lines.append(f"runs: {data}{stop}{batch}, {precision}, --nprocs {report['nprocs']}{nodes}, "
                  f"{report['repeat']} launch(es) per row" +
-                 (", interleaved; median run shown, min-max in brackets" if report["repeat"] > 1 else "") +
+                 (f", interleaved; each row shows {shown_run(report['repeat'])} by training time, min-max of "
+                  "its launches in brackets" if report["repeat"] > 1 else "") +
                  f", finished {report['finished']}")
     if report["noise_floor"] is None:
         lines.append("noise floor: not measured (one launch per row; --repeat 3 measures it)")
     else:
-        lines.append(f"noise floor: {report['noise_floor']:.1%}, the largest (max - min) / median of any row's "
-                     "training times; a speed-up marked ~ is within it of another row's: their order is not "
+        lines.append(f"noise floor: {report['noise_floor']:.1%}, the largest (max - min) / shown run of any "
+                     "row's training times; a speed-up marked ~ is within it of another row's: their order is not "
                      "significant")
     oversubscribed = [count for count in report["counts"] if count > report["machine"]["cores"]]
     if oversubscribed and not report["machine"]["gpus"]:
@@ -172,9 +188,9 @@ def header_lines(report):
     return lines
 
 
-LEGEND = ("train s: the training loop only (rank 0). samples/s: samples trained / train s. speed-up: samples/s "
-          "over the single-device run's. A precision marked 'emulated' is computed in software by this device: "
-          "the row measures the emulation, not mixed precision. dev n: dev samples evaluated.")
+LEGEND = ("train s: the training loop only (rank 0). samples/s, whole loop: samples trained / train s. "
+          "speed-up: that samples/s over the single-device run's. A precision marked 'emulated' is computed in "
+          "software by this device: the row measures the emulation, not mixed precision. dev n: dev samples evaluated.")
 DETAIL_LEGEND = ("threads: torch threads per process. tokens+pad: real tokens and the padding computed with them, "
                  "per training sample. peak MB: GPU memory allocated by torch on CUDA, else peak resident memory "
                  "of rank 0. wall s: the whole launch, start-up included.")
@@ -184,21 +200,24 @@ MEMORY_LEGEND = ("Model state held by each process at its optimizer step (rank 0
                  "processes; docs/anatomy.md explains each difference. peak MB: as in the details (on a CPU the "
                  "process's peak resident memory, libraries included); beyond model state: peak MB - model state "
                  "(activations, buffers, communication buckets, and on a CPU the libraries).")
-PHASE_LEGEND = ("Milliseconds per recorded step on rank 0 (--profile): the phases add up to the step. Communication "
+PHASE_LEGEND = ("Milliseconds per recorded step on rank 0 (--profile), the mean over the recorded steps: the "
+                "phases add up to the step. Communication "
                 "that runs while the process computes is overlapped; what the process waits for is exposed, and "
                 "is taken out of the phase that waited.")
 THROUGHPUT_LEGEND = ("The first step is timed apart: it pays the one-time costs (compilation with --compile, "
                      "loading the kernels of new shapes); a compiled row says how many graphs dynamo compiled while "
-                     "training (a recompile or a graph break adds one). The steady steps follow it: the median step, "
-                     "and samples/s and model FLOP/s over them (a later recompile counts there, not in the median). "
+                     "training (a recompile or a graph break adds one). The steady steps follow it: their median step, "
+                     "and their samples and model FLOPs over their seconds, the mean rates (a later recompile counts "
+                     "there, not in the median). "
                      "step shapes: the distinct (batch, length) shapes trained (--pad-to-multiple-of). "
-                     "tokens/s: real tokens (no padding) over the whole loop. Model FLOPs: the matrix products of "
-                     "forward and backward at the shapes computed, padding included (flops.py); MFU real counts only "
-                     "the FLOPs of the real tokens, each text at its own length. MFU: model FLOP/s per "
+                     "tokens/s: real tokens (no padding) over the whole loop's seconds. Model FLOPs: the matrix "
+                     "products of forward and backward at the shapes computed, padding included (flops.py); MFU "
+                     "real counts only the FLOPs of the real tokens, each text at its own length. MFU: model FLOP/s "
+                     "per "
                      "device over the device's peak for the precision the row computes in: the GPU's published dense "
                      "peak, and the matrix-product rate microbenchmarks/matmul_peak.py measures on this machine (on a CPU, "
                      "all its cores are the one device the processes share).")
-SCALING_LEGEND = ("speed-up vs 1 process: samples/s over the same row's 1-process run; scaling efficiency: that "
+SCALING_LEGEND = ("speed-up vs 1 process: samples/s over the same row's 1-process run's; scaling efficiency: that "
                   "speed-up / processes (100% is ideal).")
 
 
@@ -212,7 +231,8 @@ def markdown_body(report):
     """The report without its title."""
     rows, repeat = report["rows"], report["repeat"]
     text = [f"- {line}" for line in header_lines(report)] + [""]
-    text += markdown_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows]) + ["", LEGEND, ""]
+    text += markdown_table(spread_columns(MAIN_COLUMNS, repeat), [main_cells(row, repeat) for row in rows])
+    text += ["", LEGEND, ""]
     if throughput_rows(report):
         text += ["Throughput against the limit:", ""]
         text += markdown_table(THROUGHPUT_COLUMNS, [throughput_cells(r) for r in throughput_rows(report)])
@@ -227,7 +247,8 @@ def markdown_body(report):
     if phase_rows(report):
         text += ["Step anatomy:", ""] + markdown_table(PHASE_COLUMNS, [phase_cells(r) for r in phase_rows(report)])
         text += ["", PHASE_LEGEND, ""]
-    text += ["Details:", ""] + markdown_table(DETAIL_COLUMNS, [detail_cells(row, repeat) for row in rows])
+    text += ["Details:", ""] + markdown_table(spread_columns(DETAIL_COLUMNS, repeat),
+                                              [detail_cells(row, repeat) for row in rows])
     text += ["", DETAIL_LEGEND, "", "Commands:", ""]
     text += [f"- {row['row']}: `{row['command']}`" for row in rows if row.get("command")]
     return "\n".join(text) + "\n"
@@ -245,7 +266,8 @@ def terminal_table(columns, rows):
 
 def terminal_report(report):
     rows, repeat = report["rows"], report["repeat"]
-    text = header_lines(report) + [""] + terminal_table(MAIN_COLUMNS, [main_cells(row, repeat) for row in rows])
+    text = header_lines(report) + [""] + terminal_table(spread_columns(MAIN_COLUMNS, repeat),
+                                                        [main_cells(row, repeat) for row in rows])
     text += ["", LEGEND]
     if throughput_rows(report):
         text += ["", "throughput against the limit:"]
@@ -259,7 +281,8 @@ def terminal_report(report):
     if phase_rows(report):
         text += ["", "step anatomy (ms per step):"]
         text += terminal_table(PHASE_COLUMNS, [phase_cells(row) for row in phase_rows(report)])
-    text += ["", "details:"] + terminal_table(DETAIL_COLUMNS, [detail_cells(row, repeat) for row in rows])
+    text += ["", "details:"] + terminal_table(spread_columns(DETAIL_COLUMNS, repeat),
+                                              [detail_cells(row, repeat) for row in rows])
     return "\n".join(text + ["", "commands:"] + [f"  {row['row']}: {row['command']}" for row in rows
                                                  if row.get("command")])
 
@@ -296,11 +319,13 @@ def chart(report, path):
 
 
 def chart_panels(report):
-    """Time and dev accuracy per row always; the speed-up per row when there is a single row to
-    compare with; MFU when a peak is known; the speed-up against processes for a sweep (--nprocs
+    """Time and dev accuracy per row always; the training loss per step where rows have it; the speed-up
+    per row when there is a single row to compare with; MFU when a peak is known; the speed-up against processes for a sweep (--nprocs
     1,2,...); the time per step by phase with --profile; the model state per process. A panel without
     figures is left out."""
     panels = [time_chart, accuracy_chart]
+    if loss_rows(report):
+        panels.append(loss_chart)
     if any(row.get("speedup") is not None for row in report["rows"]):
         panels.append(speedup_chart)
     if len(report["counts"]) > 1 and scaling_rows(report):
@@ -354,6 +379,27 @@ def accuracy_chart(axis, report):
     axis.set_ylim(0, 1)
     axis.set_ylabel("dev accuracy")
     axis.set_title("dev accuracy per row", fontsize=9)
+
+
+def loss_rows(report):
+    """The rows with a training loss for more than one step (result.json's train_loss_curve)."""
+    return [row for row in report["rows"]
+            if row["status"] == "ok" and len((row.get("train_loss_curve") or {}).get("loss", [])) > 1]
+
+
+def loss_chart(axis, report):
+    """Each row's loss over its global batch, step by step: rows at the same global batch and precision
+    train the same steps, so their lines lie on one another (single's, thick and grey, underneath)."""
+    for row in loss_rows(report):
+        curve, single = row["train_loss_curve"], row["strategy"] == "single"
+        steps = range(curve["first_step"], curve["first_step"] + len(curve["loss"]))
+        style = {"color": "gray", "linewidth": 5, "alpha": 0.5, "zorder": 1} if single else {"linewidth": 1}
+        axis.plot(steps, curve["loss"], label=f"{row_label(row)}: batch {row['global_batch']}, {row['precision']}",
+                  **style)
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("training loss (mean over the global batch)")
+    axis.set_title("training loss per step: the rows of one global batch and precision share a line", fontsize=9)
+    axis.legend(fontsize=7, ncol=2)
 
 
 def speedup_chart(axis, report):

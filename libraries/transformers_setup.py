@@ -15,7 +15,7 @@ from accelerate import PartialState
 from transformers import ProgressCallback, Trainer, TrainerCallback
 
 import common
-from support import cli, files, machine, measure, models, results
+from support import cli, curves, files, machine, measure, models, results
 
 from . import deepspeed_setup
 
@@ -225,7 +225,9 @@ class SuiteTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.measurements.count_tokens(inputs)  # beside the lesson: tokens per sample for result.json
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.measurements.add_loss(loss)  # the micro-batch's part of the step's loss, for the curves
+        return loss
 
 
 def dev_metrics(prediction, dev_size):
@@ -294,7 +296,8 @@ class SuiteLines(ProgressCallback):
 class Measurements(TrainerCallback):
     """What common.Trainer measures in its own loop, taken from the Trainer's callbacks: the training
     loop's seconds (evaluations excluded), samples and tokens, peak memory, the model state once
-    Adam's moments exist; and the callbacks SUITE_CALLBACKS names, called at each step's end."""
+    Adam's moments exist, the curves (each step's loss, kept on the device as common.Trainer's loop
+    keeps it); and the callbacks SUITE_CALLBACKS names, called at each step's end."""
 
     def __init__(self, trainer, strategy, train_loader):
         self.trainer, self.strategy = trainer, strategy
@@ -302,10 +305,13 @@ class Measurements(TrainerCallback):
         self.tokens = measure.TokenCount()
         self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
         self.model_state, self.zero_partitions = None, []
-        self.start = None
+        self.start, self.step_loss = None, 0.0
 
     def count_tokens(self, batch):
         self.tokens.add(batch)
+
+    def add_loss(self, loss):
+        self.step_loss = self.step_loss + loss  # a tensor from the step's first micro-batch on
 
     def on_train_begin(self, args, state, control, **kwargs):
         # After the Trainer has wrapped the model and built the optimizer: what follows is the loop.
@@ -323,12 +329,14 @@ class Measurements(TrainerCallback):
         self.extra = measure.extra_callbacks(wrapped)
         # What common.Run.write_result asks for each measurement's result.json fields (on_result).
         self.throughput = measure.Throughput(self.trainer.run)
-        self.trainer.run.progress = self  # the throughput reads the steps' tokens from it
-        self.trainer.run.callbacks = [self.model_state, self.throughput, *self.extra]
+        self.curves = curves.Curves(self.trainer.run, self.trainer.torch_optimizer, self.throughput, 0)
+        self.trainer.run.progress = self  # the throughput and the curves read the steps' tokens from it
+        self.trainer.run.callbacks = [self.model_state, self.throughput, self.curves, *self.extra]
         machine.reset_peak_memory(self.strategy.device)
         machine.synchronize(self.strategy.device)
         self.start = time.perf_counter()
         self.throughput.on_train_begin(self.trainer.run)
+        self.curves.on_train_begin(self.trainer.run)
 
     def collect_zero_partitions(self, optimizer, args, kwargs):
         if self.model_state.bytes is None:  # a step fp16 skips (its gradients overflowed) never gets here
@@ -344,7 +352,8 @@ class Measurements(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
-        for callback in [self.throughput, *self.extra]:
+        self.trainer.run.step_loss, self.step_loss = self.step_loss, 0.0
+        for callback in [self.throughput, self.curves, *self.extra]:
             callback.on_step_end(self.trainer.run, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -360,6 +369,7 @@ class Measurements(TrainerCallback):
             machine.synchronize(self.strategy.device)
             self.seconds = time.perf_counter() - self.start - self.paused
             self.throughput.on_train_end(self.trainer.run)
+            self.curves.on_train_end(self.trainer.run)
 
     def progress(self):
         """What common.Trainer.train returns, for common.Run.write_result."""

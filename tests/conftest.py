@@ -132,6 +132,15 @@ def read_result(output_dir):
     return json.loads((Path(output_dir) / "result.json").read_text(encoding="utf-8"))
 
 
+def read_curves(output_dir):
+    """The scalars a run wrote for TensorBoard (support/curves.py), read back as TensorBoard reads them:
+    {tag: {step: value}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(Path(output_dir) / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {event.step: event.value for event in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
 def load_weights(model_dir):
     from safetensors.torch import load_file
     return load_file(str(Path(model_dir) / "model.safetensors"))

@@ -44,7 +44,7 @@ def test_accelerate_launch_shards_the_data_and_logs_once(resumed_run):
     assert process.stdout.count("【train】 epoch：2/2 step：22/22 loss：") == 1  # only rank 0 logs
     # The step-20 checkpoint: save_state's files (each process its random states) beside the suite's
     # state; no staging folder left.
-    assert sorted(p.name for p in output.iterdir()) == ["checkpoint", "model", "result.json"]
+    assert sorted(p.name for p in output.iterdir()) == ["checkpoint", "model", "result.json", "tensorboard"]
     assert sorted(p.name for p in (output / "checkpoint").iterdir()) == [
         "meaning.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
         "training_state.pt"]

@@ -113,6 +113,28 @@ def test_real_size_plan_runs_every_default_row_and_the_sharded_ones_at_4():
     assert max(count for variant, count in launched if variant not in options.REAL_SIZE_SHARDED_ROWS) == 2
 
 
+@pytest.mark.parametrize("gpus, counts, sharded", [(1, {1}, {1}), (2, {2}, {2}), (3, {2}, {2}), (8, {2}, {2, 4})])
+def test_real_size_sizes_its_rows_to_the_gpus_present(gpus, counts, sharded):
+    """A process per GPU: on 1 GPU every row at 1 process, on 2-3 at 2, from 4 on the sharded rows also at
+    4; on a CPU (above) 2 and 4, whatever the machine's GPUs."""
+    from bench import estimate, options
+    cells = options.plan(options.parse_args(["--real-size"], gpus=gpus), gpus=gpus)
+    launched = {(cell["variant"], estimate.processes(cell)) for cell in cells}
+    assert {count for variant, count in launched if variant in options.REAL_SIZE_SHARDED_ROWS} == sharded
+    assert {count for variant, count in launched
+            if variant not in options.REAL_SIZE_SHARDED_ROWS | {"single", "dataparallel"}} == counts
+    assert max(cell["nprocs"] for cell in cells) <= gpus
+    on_cpu = options.plan(options.parse_args(["--real-size", "--device", "cpu"], gpus=gpus), gpus=gpus)
+    assert {cell["nprocs"] for cell in on_cpu if cell["variant"] == "fsdp"} == {2, 4}
+
+
+def test_real_size_names_the_counts_it_runs_when_refusing_nprocs():
+    from bench import options
+    from support import cli
+    with pytest.raises(cli.UserError, match=r"--real-size runs 1 process\(es\) per row, 1 for the sharded ones"):
+        options.parse_args(["--real-size", "--nprocs", "2"], gpus=1)
+
+
 def test_real_size_refuses_a_plan_that_does_not_fit_in_memory():
     from bench import estimate, options
     from support import cli

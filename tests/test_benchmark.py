@@ -331,6 +331,26 @@ def test_more_processes_than_cores_are_said_to_prove_the_mechanics_not_the_speed
         "note: 3 and 4 processes exceed the 2 usable cores: those runs prove the mechanics, not the speed")
 
 
+def test_each_column_names_its_statistic_and_the_header_which_launch_a_row_shows():
+    """Of 2 launches the table shows the faster (summarize's lower median), not a median: the header says
+    which; a column with a spread says so, and the throughput table's median step stands beside mean
+    rates, each named."""
+    report = json.loads((ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json").read_text(encoding="utf-8"))
+    assert report["repeat"] == 2
+    text = bench_report.markdown(report)
+    assert "each row shows the faster of its 2 launches (the lower median of two) by training time" in text
+    assert "| global batch | train s (min-max) | samples/s, whole loop | speed-up |" in text
+    assert "| wall s (min-max) | options |" in text
+    assert "| first step s | median steady step ms | mean samples/s over steady steps | mean tokens/s, whole loop |" in text
+    report["repeat"] = 3
+    assert "each row shows the median of its 3 launches by training time" in bench_report.markdown(report)
+    report["repeat"] = 4
+    assert "the median of its 4 launches (the lower of the middle two)" in bench_report.markdown(report)
+    report["repeat"] = 1
+    assert "| global batch | train s | samples/s, whole loop |" in bench_report.markdown(report)
+    assert "(min-max)" not in bench_report.terminal_report(report)
+
+
 def test_a_speedup_within_the_noise_floor_of_another_is_marked():
     def row(name, samples_per_second, seconds):
         return {"row": name, "variant": name, "strategy": "ddp" if name != "single" else "single", "nprocs": 2,
@@ -443,6 +463,59 @@ def test_without_a_gpu_the_runner_trains_the_tiny_model_unless_told_otherwise(mo
     assert provenance.resolve_model("auto", gpus=0) == ("hub-model", None)
 
 
+def test_the_header_versions_each_library_as_the_rows_import_it(monkeypatch):
+    """The header read lightning-fabric's metadata while the fabric row imported lightning_fabric, which
+    the whole lightning also installs: "not installed" beside a row that ran. Each module is versioned by
+    the distributions that provide it, named where their name is not the module's."""
+    installed = {"torch": "2.13.0", "lightning": "2.5.0", "lightning-fabric": "2.6.6"}
+
+    def version(distribution):
+        if distribution not in installed:
+            raise provenance.metadata.PackageNotFoundError(distribution)
+        return installed[distribution]
+    monkeypatch.setattr(provenance.metadata, "version", version)
+    monkeypatch.setattr(provenance, "importable", lambda module: module in ("torch", "lightning_fabric", "accelerate"))
+    versions = provenance.library_versions({"torch": ["torch"], "lightning_fabric": ["lightning"],
+                                            "horovod": ["horovod"]})
+    assert versions["torch"] == "2.13.0"
+    assert versions["lightning_fabric"] == "2.5.0 (lightning)"
+    assert versions["horovod"] == "not installed"  # metadata left behind, no module
+    assert versions["accelerate"] == "installed, no distribution metadata"
+    both = provenance.library_versions({"lightning_fabric": ["lightning-fabric", "lightning"]})
+    assert both["lightning_fabric"] == "2.6.6, 2.5.0 (lightning)"
+
+
+def test_the_header_versions_this_environment_as_requirements_pins_them():
+    pins = dict(line.split("#")[0].strip().split("==") for line in (ROOT / "requirements.txt").read_text().splitlines()
+                if "==" in line.split("#")[0])
+    versions = provenance.library_versions()
+    assert versions["lightning_fabric"] == pins["lightning-fabric"]
+    assert versions["torch"].split("+")[0] == pins["torch"]
+
+
+def test_a_plan_whose_largest_count_leaves_too_few_steps_says_which_option_fixes_it():
+    """One epoch of 9,200 samples is 36 steps at 8 GPUs x 32, 9 at 32: the runner warns before any launch,
+    and each fix it names, applied, silences it; --max-steps below the threshold is the user's choice."""
+    def warning(*argv, gpus=0):
+        args = options.parse_args(list(argv), gpus)
+        return estimate.few_steps_warning(args, options.plan(args, gpus), gpus)
+    assert warning("--nprocs", "8", gpus=8) is None
+    assert warning() is None
+    line = warning("--nprocs", "32", "--device", "cpu")
+    assert re.search(r"9 row\(s\) \(ddp, .*fewer than 20 optimizer steps, 9 at a global batch of 1,024 "
+                     r"\(9,200 training", line)
+    fixes = re.findall(r"(--epochs|--max-samples) (\d+)", line)
+    assert [option for option, _ in fixes] == ["--epochs", "--max-samples"]
+    less = {"--epochs": 1, "--max-samples": 1200}  # a global batch of 1,024 is 1,113 samples before the dev set
+    for option, value in fixes:
+        assert warning("--nprocs", "32", "--device", "cpu", option, value) is None
+        assert warning("--nprocs", "32", "--device", "cpu", option, str(int(value) - less[option])) is not None
+    assert warning("--nprocs", "8", "--batch-size", "32,128", gpus=8).count("dataparallel") == 1
+    assert warning("--nprocs", "32", "--device", "cpu", "--max-steps", "5") is None
+    # Half the samples held out for dev: no --max-samples of the data's 40,133 records is enough.
+    assert "--max-samples" not in warning("--nprocs", "32", "--device", "cpu", "--dev-ratio", "0.5")
+
+
 def test_the_plan_says_how_long_it_should_take(monkeypatch):
     """Before the first launch: the tiny model from the committed run's rows on 2 cores, a real-size
     model on a CPU from one timed step (hours), GPUs without an estimate."""
@@ -480,6 +553,31 @@ def test_the_chart_draws_only_the_panels_the_run_has_figures_for():
     assert chart_panels({"rows": [{"status": "failed"}], "counts": [2]}) == [time_chart, accuracy_chart]
     measured = {"rows": [{**row, "first_step_seconds": 1.0, "mfu_measured": 0.1}], "counts": [2]}
     assert mfu_chart in chart_panels(measured)
+
+
+def test_the_loss_panel_draws_each_rows_curve_step_by_step():
+    """Every row with a loss curve (result.json's, the median run's) gets a line at its own steps, single's
+    underneath the rest: where they train the same steps, the lines lie on one another."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from bench.report import chart_panels, loss_chart
+
+    def row(name, strategy, loss, first_step=1, status="ok"):
+        return {"row": name, "strategy": strategy, "status": status, "global_batch": 32, "precision": "fp32",
+                "train_loss_curve": {"first_step": first_step, "loss": loss}}
+    report = {"counts": [2], "rows": [row("single", "single", [1.8, 1.7, 1.5]), row("ddp", "ddp", [1.8, 1.7, 1.5]),
+                                      row("fsdp", "fsdp", [1.6, 1.4], first_step=2),
+                                      row("horovod", "horovod", [1.0, 2.0], status="failed"),
+                                      row("deepspeed", "deepspeed", [1.8])]}
+    assert loss_chart in chart_panels(report)
+    figure, axis = plt.subplots()
+    loss_chart(axis, report)
+    lines = {line.get_label().split(":")[0]: (list(line.get_xdata()), list(line.get_ydata())) for line in axis.lines}
+    plt.close(figure)
+    assert lines == {"single": ([1, 2, 3], [1.8, 1.7, 1.5]), "ddp": ([1, 2, 3], [1.8, 1.7, 1.5]),
+                     "fsdp": ([2, 3], [1.6, 1.4])}
+    assert loss_chart not in chart_panels({"counts": [2], "rows": [row("single", "single", [1.8])]})
 
 
 def test_the_report_presents_from_the_report_alone():

@@ -45,7 +45,7 @@ def check_result(output, zero_stage, **expected):
     for key, value in expected.items():
         assert result[key] == value, key
     # The ZeRO shards were merged into model/ and removed.
-    assert sorted(path.name for path in output.iterdir()) == ["model", "result.json"]
+    assert sorted(path.name for path in output.iterdir()) == ["model", "result.json", "tensorboard"]
     return result
 
 

@@ -7,8 +7,8 @@ test_hf_trainer.py's."""
 import pytest
 
 from support import machine
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_result, require,
-                      run)
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_curves, read_result,
+                      require, run)
 
 THREE = [*SMALL, *EXACT, "--batch-size", "11"]
 
@@ -52,11 +52,15 @@ def test_three_processes_end_with_the_single_device_weights(tmp_path, single_33,
     assert result["steps"] == read_result(single_33)["steps"] == 11
     assert result["threads_per_process"] == max(1, machine.usable_cores() // 3)
     assert_same_weights(single_33 / "model", tmp_path / "model")
+    # Every step's loss over the global batch, as TensorBoard shows it: on one device's line.
+    loss, reference = read_curves(tmp_path)["train/loss"], read_curves(single_33)["train/loss"]
+    assert loss.keys() == reference.keys() == set(range(1, 12))
+    assert list(loss.values()) == pytest.approx(list(reference.values()), rel=1e-5)
     # The model folder holds what predict.py and pipeline() load, as one device's does; nothing else is
     # left (ZeRO-3's shards merged into it and removed).
     assert [p.name for p in sorted((tmp_path / "model").iterdir())] == [
         p.name for p in sorted((single_33 / "model").iterdir())]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json", "tensorboard"]
 
 
 def test_the_cpu_quota_of_a_container_caps_the_cores(tmp_path):

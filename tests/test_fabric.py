@@ -57,7 +57,8 @@ def test_fabric_run_learns_counts_each_dev_sample_once_and_ends_with_the_single_
     assert classify("今天天气真好")[0]["label"] in transformers.AutoConfig.from_pretrained(
         tmp_path / "model").id2label.values()
     # The step-8 checkpoint: fabric.save's file (rank 0 under DDP) beside the suite's state; no staging left.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "dev.txt", "model", "result.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "dev.txt", "model", "result.json",
+                                                          "tensorboard"]
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["fabric", "meaning.json",
                                                                           "training_state.pt"]
 
@@ -74,7 +75,7 @@ def test_fsdp2_on_three_processes_ends_with_the_single_device_weights(tmp_path, 
     assert result["threads_per_process"] == max(1, machine.usable_cores() // 3)
     assert result["model_state_formula_bytes"]["zero_stage"] == 3  # the weights really are sharded
     assert_same_weights(single_33 / "model", tmp_path / "model")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json", "tensorboard"]
 
 
 def test_a_failing_rank_ends_the_whole_job_and_is_named(tmp_path):

@@ -33,7 +33,8 @@ def test_bf16_with_checkpoints_learns_and_saves_a_portable_model(tmp_path):
     assert classify("今天天气真好")[0]["label"] in transformers.AutoConfig.from_pretrained(
         tmp_path / "model").id2label.values()
     # Each process wrote its own shard of the step-8 checkpoint; no staging folder is left.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "dev.txt", "model", "result.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "dev.txt", "model", "result.json",
+                                                          "tensorboard"]
     shards = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meaning.json", "training_state.pt"]
 

@@ -30,6 +30,9 @@ def test_the_runners_accumulating_rows_end_with_the_single_device_weights(profil
     assert rows[row]["status"] == "ok"
     assert read_result(output / row)["gradient_accumulation_steps"] == 2
     assert_steps_like_one_device_at_32(output / row, single_reference)
+    # The chart's loss panel: every row on one device's line, step by step (the median run's curve).
+    assert rows[row]["train_loss_curve"]["loss"] == pytest.approx(
+        read_result(single_reference)["train_loss_curve"]["loss"], rel=1e-5)
 
 
 def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(ddp_run, single_reference,

@@ -12,7 +12,7 @@ import common
 from support import machine
 import hooks
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
-                      free_port, predict_dev_accuracy, read_result, require, run)
+                      free_port, predict_dev_accuracy, read_curves, read_result, require, run)
 
 SCRIPT = "multi-gpu-transformers-cls.py"
 
@@ -47,11 +47,15 @@ def test_three_processes_end_with_the_single_device_weights_and_count_each_dev_s
     for key in ("dev_loss", "dev_accuracy", "dev_macro_f1", "final_train_loss", "tokens_per_sample"):
         assert result[key] == pytest.approx(reference[key], rel=1e-5), key
     assert result["model_state_bytes"] == reference["model_state_bytes"]  # stage 0: all of it in each process
+    # Each step's loss, kept by the Trainer's callbacks, on one device's line (TensorBoard's events).
+    loss, reference_loss = read_curves(tmp_path)["train/loss"], read_curves(single_33)["train/loss"]
+    assert loss.keys() == reference_loss.keys() == set(range(1, 12))
+    assert list(loss.values()) == pytest.approx(list(reference_loss.values()), rel=1e-5)
     # Rank 0 alone prints, in the suite's form; the Trainer's own log dictionaries are not printed.
     assert process.stdout.count("【train】 epoch：1/1 step：11/11 loss：") == 1
     assert "dev: 83 samples" in process.stdout and "strategy hf-trainer (torchrun, 3 process(es)" in process.stdout
     assert "'loss':" not in process.stdout + process.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json", "tensorboard"]
     # predict.py scores the reported accuracy; transformers' own pipeline loads the folder.
     assert abs(predict_dev_accuracy(tmp_path) - result["dev_accuracy"]) < 1e-9
     classify = transformers.pipeline("text-classification", model=str(tmp_path / "model"), device="cpu")

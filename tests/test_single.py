@@ -6,7 +6,7 @@ import transformers
 import common
 from support import cli, flops, models
 from conftest import (DEV_SAMPLES, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
-                      read_result, run, run_in_process, small_split)
+                      read_curves, read_result, run, run_in_process, small_split)
 
 RESULT_KEYS = {"strategy", "launcher", "world_size", "device", "model", "precision", "batch_size_per_process",
                "global_batch_size", "epochs", "train_seconds", "samples_per_second", "peak_memory_mb",
@@ -84,6 +84,22 @@ def test_single_device_trains_evaluates_saves_and_predicts(first_run):
         assert (label, echoed) == (truth["label"], text)
         assert abs(float(probability) - truth["score"]) < 1e-4
     assert lines[2].split("\t")[:2] == lines[1].split("\t")[:2]
+
+
+def test_every_step_is_written_for_tensorboard_and_read_back(single_33):
+    """tensorboard --logdir reads each optimizer step's loss, learning rate and seconds from the event
+    files (no MFU without a published peak: a CPU); result.json holds the same losses for the runner's
+    chart. The last step's loss is the last one the loop logged (--log-steps 5: step 11 alone), and the
+    steps' seconds add up to the training loop's."""
+    curves, result = read_curves(single_33), read_result(single_33)
+    assert set(curves) == {"train/loss", "train/learning_rate", "train/step_seconds"}
+    assert all(curve.keys() == set(range(1, 12)) for curve in curves.values())
+    assert list(curves["train/learning_rate"].values()) == pytest.approx([result["learning_rate"]] * 11)
+    assert curves["train/loss"][11] == pytest.approx(result["final_train_loss"], rel=1e-6)
+    assert result["train_loss_curve"] == {"first_step": 1, "loss": pytest.approx(list(curves["train/loss"].values()),
+                                                                                 rel=1e-5)}
+    assert 0.9 * result["train_seconds"] < sum(curves["train/step_seconds"].values()) <= result["train_seconds"]
+    assert result["tensorboard"] == str(single_33 / "tensorboard")
 
 
 def test_auto_falls_back_to_the_tiny_model_with_a_banner(first_run):
