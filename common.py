@@ -8,6 +8,7 @@ The rest lives in support/, a module per duty (docs/architecture.md): cli (optio
 machine (device, cores), models, checkpoints, results, measure (the callbacks beside the loop).
 """
 import contextlib
+import copy
 import json
 import math
 import random
@@ -183,6 +184,11 @@ class GlobalBatchSampler(Sampler):
             epoch, step_in_epoch = divmod(step, len(per_step))
             yield epoch + 1, step + 1, per_step[step_in_epoch]
 
+    def samples_in_step(self, step):
+        """Samples in optimizer step `step` (counted from 1 across epochs): what the callbacks count."""
+        sizes = self.global_batch_sizes()
+        return sizes[(step - 1) % len(sizes)]
+
     def global_batch_sizes(self):
         """Samples in each global batch of an epoch, in order (the same for every epoch)."""
         full, rest = divmod(len(self.lengths), self.global_batch_size)
@@ -283,6 +289,19 @@ class Run:
         results.publish(self, result, metrics)
         return result
 
+    def start_measurements(self, first_step, optimizer, wrapped=None, bar=True):
+        """The measurements of every script, as callbacks (the Hugging Face Trainer's events call them
+        too): the counts and progress bar, the model state and the throughput, and any that
+        SUITE_CALLBACKS names. `wrapped`: the model as its library wrapped it, where this Run holds it
+        bare (the Hugging Face script's); the model state and SUITE_CALLBACKS' callbacks see that one."""
+        hooked = self
+        if wrapped is not None:
+            hooked = copy.copy(self)
+            hooked.model = wrapped
+        self.progress = measure.Progress(self, first_step, bar=bar)
+        self.callbacks = [self.progress, measure.ModelStateCount(self.strategy, hooked.model, optimizer),
+                          measure.Throughput(self), *measure.extra_callbacks(hooked)]
+
     def notify(self, point, *args):
         """Call each callback's method for this point of the loop (measure.Callback names them)."""
         for callback in self.callbacks:
@@ -301,12 +320,9 @@ class Trainer(Run):
         results.announce(self)
         checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
-        # Callbacks beside the loop, called at its named points: the counts, the model state and the
-        # throughput always, any that SUITE_CALLBACKS names, the step profile with --profile, and a
-        # checkpoint when a scheduler signals with --save-on-signal.
-        self.progress = measure.Progress(self, first_step)
-        self.callbacks = [self.progress, measure.ModelStateCount(self.strategy, self.model, self.optimizer),
-                          measure.Throughput(self), *measure.extra_callbacks(self)]
+        # Callbacks beside the loop, called at its named points: every script's measurements, the step
+        # profile with --profile, and a checkpoint when a scheduler signals with --save-on-signal.
+        self.start_measurements(first_step, self.optimizer)
         if self.args.profile:
             self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
         if self.args.save_on_signal:
@@ -400,26 +416,17 @@ class Trainer(Run):
         gathered = [self.strategy.gather(torch.cat(part)).cpu().numpy()
                     for part in (indices, weights, predictions, labels, losses)]
         indices, predictions, labels, losses = each_sample_once(*gathered)
-        if not np.array_equal(indices, np.arange(len(self.dev_loader.dataset))):
-            raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {len(self.dev_loader.dataset)} "
-                               f"dev samples in {len(indices)} predictions")
+        check_every_dev_sample(indices, len(self.dev_loader.dataset))
         # Every process scores, though only rank 0 reports: a DDP process that left right after the
         # gather could free its gloo group while gloo's thread still waits for the GIL to free the
         # gather's tensors, and hang at exit.
         return results.dev_metrics(predictions, labels, losses, LABELS)
 
     def forward(self, batch):
-        """Logits, and this process's part of the global batch's mean loss (computed here, not inside
-        the model, so that every strategy weighs samples the same way)."""
+        """Logits, and this process's part of the global batch's mean loss (weighted_loss)."""
         with self.strategy.autocast():
-            logits = self.model(input_ids=batch["input_ids"],
-                                attention_mask=models.prepared_mask(batch["attention_mask"])).logits
-        per_sample = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
-        # The loss-weighting rule (see GlobalBatchSampler): weighted by 1 / (samples in the global
-        # batch), the sums over processes and micro-batches add up to the single-device mean. Every
-        # library here averages the gradients over the processes; multiplying by their count turns
-        # that average into the sum.
-        return logits, (per_sample * batch["weight"]).sum() * self.strategy.world_size
+            logits = model_logits(self.model, batch)
+        return logits, weighted_loss(logits, batch, self.strategy.world_size)
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -558,3 +565,26 @@ def each_sample_once(indices, weights, *columns):
     real = weights > 0
     order = np.argsort(indices[real], kind="stable")
     return (indices[real][order], *(column[real][order] for column in columns))
+
+
+def check_every_dev_sample(indices, dev_size):
+    """Evaluation saw each of the `dev_size` dev samples exactly once (each_sample_once's indices)."""
+    if not np.array_equal(indices, np.arange(dev_size)):
+        raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {dev_size} dev samples in "
+                           f"{len(indices)} predictions")
+
+
+def model_logits(model, batch):
+    """The model's logits for a batch of the suite's loaders (their index and weight are not its inputs)."""
+    return model(input_ids=batch["input_ids"], attention_mask=models.prepared_mask(batch["attention_mask"])).logits
+
+
+def weighted_loss(logits, batch, world_size):
+    """This process's part of the global batch's mean loss, computed here, not inside the model, so
+    that every strategy weighs samples the same way (the Hugging Face Trainer's compute_loss too).
+    The loss-weighting rule (see GlobalBatchSampler): weighted by 1 / (samples in the global batch),
+    the sums over processes and micro-batches add up to the single-device mean. Every library here
+    averages the gradients over the processes; multiplying by their count turns that average into
+    the sum."""
+    per_sample = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+    return (per_sample * batch["weight"]).sum() * world_size
