@@ -26,7 +26,7 @@ def parse_args(argv, gpus, description=None):
     """The command line; `gpus` (gpu_count()) sets the default --nprocs; `description`: benchmark.py's."""
     parser = build_parser(gpus, description)
     args, passthrough = parser.parse_known_args(argv)
-    args = check_args(args, passthrough, parser.get_default("nprocs"))
+    args = check_runner_args(args, passthrough, parser.get_default("nprocs"))
     if gpus and max(args.counts) > gpus and "cpu" not in passthrough:  # one GPU per process: say so before any launch
         raise cli.UserError(f"--nprocs {args.nprocs}: this machine has {gpus} GPU(s) and each process takes one; "
                             "hide them to run CPU processes: CUDA_VISIBLE_DEVICES= ./run.sh --device cpu")
@@ -161,7 +161,7 @@ def names(option, value, known):
     return chosen
 
 
-def check_args(args, passthrough, default_nprocs):
+def check_runner_args(args, passthrough, default_nprocs):
     if args.real_size:
         apply_real_size(args, default_nprocs)
     args.batch_sizes = parse_counts(str(args.batch_size), "--batch-size", "batch size") if args.batch_size else [None]

@@ -67,7 +67,7 @@ def gpu_count():
     return torch.cuda.device_count()
 
 
-def resolve_model(choice, gpus):
+def choose_model(choice, gpus):
     """The model every strategy trains, resolved once, here, and said. Without --model: auto with
     GPUs; without them the tiny model, since eleven rows of the real BERT on a CPU take hours."""
     import common
