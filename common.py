@@ -14,6 +14,7 @@ import math
 import random
 import unicodedata
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,11 +32,20 @@ LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
 
 # ----------------------------------------------------------------------------- data
 
-def prepare_data(args, strategy):
-    """Load, split and encode the data and load the model for it; rank 0 resolves --model for all.
+class Prepared(NamedTuple):
+    """What load_data_and_model returns: the encoded data, and the model with its tokenizer, its name
+    and the learning rate chosen for it."""
+    train_set: "EncodedDataset"
+    dev_set: "EncodedDataset"
+    tokenizer: object
+    model: torch.nn.Module
+    model_name: str
+    lr: float
 
-    Returns (train set, dev set, tokenizer, model, model name, learning rate).
-    """
+
+def load_data_and_model(args, strategy):
+    """Load, split and encode the data, build the model for it and pick its learning rate (--lr, else
+    the model's); rank 0 resolves --model for all."""
     use_tf32(args.tf32, strategy.device)  # before any model is built, or compiled
     use_attention_without_plans(strategy.device)
     # Repeating shapes on a GPU, where each new one costs a plan or a graph; on a CPU padding is only work.
@@ -47,7 +57,7 @@ def prepare_data(args, strategy):
     tokenizer, model, model_name, lr = models.load_model(args, texts, name, LABELS, announce=strategy.is_main)
     train_set = EncodedDataset(train_records, tokenizer, args.max_seq_len)
     dev_set = EncodedDataset(dev_records, tokenizer, args.max_seq_len)
-    return train_set, dev_set, tokenizer, model, model_name, lr
+    return Prepared(train_set, dev_set, tokenizer, model, model_name, lr)
 
 
 def set_seed(seed):
@@ -165,7 +175,7 @@ class GlobalBatchSampler(Sampler):
         self.fill = fill
         self.steps_skipped = 0
         self.micro_batch_size = batch_size * num_replicas  # over all processes
-        self.global_batch_size = self.micro_batch_size * accumulation_steps
+        self.global_batch_size = global_batch_size(batch_size, num_replicas, accumulation_steps)
 
     def set_epoch(self, epoch, steps_taken=0):
         """Epoch `epoch` (from 1) comes next. On resume, `steps_taken` of the run are in the checkpoint:
@@ -226,6 +236,11 @@ class GlobalBatchSampler(Sampler):
                 yield [(index, weight) for index in share] + [(micro_batch[0], 0.0)] * repeats
 
 
+def global_batch_size(batch_size, world_size, accumulation_steps):
+    """Samples per optimizer step: --batch-size per process and micro-batch, x processes, x --grad-accum."""
+    return batch_size * world_size * accumulation_steps
+
+
 def train_sampler(dataset, args, num_replicas=1, rank=0):
     """The training sampler: this process's share of every micro-batch of every global batch,
     reshuffled per epoch."""
@@ -252,6 +267,20 @@ def make_loader(dataset, args, tokenizer, batch_sampler):
                       generator=torch.Generator().manual_seed(args.seed))
 
 
+class Loaders(NamedTuple):
+    train: DataLoader
+    dev: DataLoader
+
+
+def make_loaders(data, args, world_size=1, rank=0):
+    """The training and dev loaders of `data` (a Prepared): this process's share (`rank` of `world_size`)
+    of every global batch."""
+    train = train_sampler(data.train_set, args, world_size, rank)
+    dev = eval_sampler(data.dev_set, args, world_size, rank)
+    return Loaders(make_loader(data.train_set, args, data.tokenizer, train),
+                   make_loader(data.dev_set, args, data.tokenizer, dev))
+
+
 # ----------------------------------------------------------------------------- training
 
 class Run:
@@ -259,12 +288,13 @@ class Run:
     it trains, the lines it prints and the result.json it writes. The Trainer is a Run that trains;
     the Hugging Face script's Run reports what transformers.Trainer trained."""
 
-    def __init__(self, args, strategy, model, tokenizer, train_loader, dev_loader, model_name, lr):
+    def __init__(self, args, strategy, model, data, loaders):
+        """`model` as the strategy wrapped it, `data` from load_data_and_model, `loaders` from make_loaders."""
         self.args, self.strategy, self.model = args, strategy, model
-        self.tokenizer, self.train_loader, self.dev_loader = tokenizer, train_loader, dev_loader
-        self.model_name, self.lr = model_name, lr
+        self.tokenizer, self.model_name, self.lr = data.tokenizer, data.model_name, data.lr
+        self.train_loader, self.dev_loader = loaders
         self.output_dir = Path(args.output_dir)
-        self.global_batch_size = train_loader.batch_sampler.global_batch_size  # samples per optimizer step
+        self.global_batch_size = self.train_loader.batch_sampler.global_batch_size  # samples per optimizer step
         self.threads = set_threads(args.threads, strategy.local_world_size)
         self.native_precision = computes_natively(strategy.precision, strategy.device)
         self.callbacks = []
@@ -311,8 +341,8 @@ class Run:
 class Trainer(Run):
     """The train / evaluate / save loop every strategy runs."""
 
-    def __init__(self, args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr):
-        super().__init__(args, strategy, model, tokenizer, train_loader, dev_loader, model_name, lr)
+    def __init__(self, args, strategy, model, optimizer, data, loaders):
+        super().__init__(args, strategy, model, data, loaders)
         self.optimizer = optimizer
 
     def fit(self):
@@ -455,8 +485,8 @@ class Strategy:
     def is_main(self):
         return self.rank == 0
 
-    def gpus(self):
-        """The GPUs whose random generators this process draws from (dropout): its own."""
+    def gpus_in_use(self):
+        """The GPUs this process computes on, whose random generators it draws from (dropout): its own."""
         if self.device.type != "cuda":
             return []
         return [self.device.index if self.device.index is not None else torch.cuda.current_device()]

@@ -19,6 +19,17 @@ from . import deepspeed_setup
 SCRIPT = "multi-gpu-transformers-cls.py"
 
 
+def add_trainer_args(parser):
+    cli.add_distributed_args(parser, local_rank=True)  # the legacy and deepspeed launchers pass --local_rank
+    cli.add_precision_arg(parser)
+    parser.add_argument("--deepspeed", metavar="JSON",
+                        help="train with DeepSpeed through TrainingArguments(deepspeed=...), e.g. "
+                             "configs/deepspeed/zero2.json (batch sizes, clipping and precision come from the "
+                             "command line)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="train with FSDP2 through TrainingArguments(fsdp=True) (GPUs only)")
+
+
 def refuse_what_the_trainer_cannot_do(args):
     """The Trainer's checkpoints (checkpoint-N folders, resumed by skipping batches) lack the suite's
     meaning checks, atomic folder and sampler position; the phases of --profile wrap common.Trainer's

@@ -229,7 +229,8 @@ class Throughput(Callback):
         steady_share = 1 - flops.training_flops(config, *self.first_tokens[computed].tolist()) / flops.training_flops(
             config, *self.tokens[computed].tolist())
         steady_seconds = result["train_seconds"] - self.first_seconds
-        devices = len(trainer.strategy.gpus()) * trainer.strategy.world_size if self.device.type == "cuda" else 1
+        strategy = trainer.strategy
+        devices = len(strategy.gpus_in_use()) * strategy.world_size if self.device.type == "cuda" else 1
         steady_flops = model_flops * steady_share / steady_seconds if steady_seconds > 0 else None
         # The FLOPs the real tokens need, each text at its own length: padding is work no user wants.
         real_share = flops.training_flops(config, *(result[name] for name in results.REAL_COUNTS)) / model_flops
