@@ -41,7 +41,7 @@ from pathlib import Path
 from bench import report as benchmark_report
 from bench.estimate import announce_real_size, expected_duration, few_steps_warning
 from bench.options import list_rows, parse_args, plan
-from bench.provenance import describe_machine, git_state, gpu_count, library_versions, resolve_model
+from bench.provenance import choose_model, describe_machine, git_state, gpu_count, library_versions
 from bench.rows import STRATEGIES, relative
 from bench.run import add_figures, measure_matmul_peaks, run_all, summarize
 from support import cli, files
@@ -95,7 +95,7 @@ def main():
         list_rows(args.variants)
         return
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    model, model_note = resolve_model(args.model, gpus)
+    model, model_note = choose_model(args.model, gpus)
     cells = plan(args, gpus)
     if args.real_size:
         announce_real_size(args, cells)

@@ -8,11 +8,13 @@ The rest lives in support/, a module per duty (docs/architecture.md): cli (optio
 machine (device, cores), models, checkpoints, results, measure (the callbacks beside the loop).
 """
 import contextlib
+import copy
 import json
 import math
 import random
 import unicodedata
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,11 +32,20 @@ LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
 
 # ----------------------------------------------------------------------------- data
 
-def prepare_data(args, strategy):
-    """Load, split and encode the data and load the model for it; rank 0 resolves --model for all.
+class Prepared(NamedTuple):
+    """What load_data_and_model returns: the encoded data, and the model with its tokenizer, its name
+    and the learning rate chosen for it."""
+    train_set: "EncodedDataset"
+    dev_set: "EncodedDataset"
+    tokenizer: object
+    model: torch.nn.Module
+    model_name: str
+    lr: float
 
-    Returns (train set, dev set, tokenizer, model, model name, learning rate).
-    """
+
+def load_data_and_model(args, strategy):
+    """Load, split and encode the data, build the model for it and pick its learning rate (--lr, else
+    the model's); rank 0 resolves --model for all."""
     use_tf32(args.tf32, strategy.device)  # before any model is built, or compiled
     use_attention_without_plans(strategy.device)
     # Repeating shapes on a GPU, where each new one costs a plan or a graph; on a CPU padding is only work.
@@ -46,7 +57,7 @@ def prepare_data(args, strategy):
     tokenizer, model, model_name, lr = models.load_model(args, texts, name, LABELS, announce=strategy.is_main)
     train_set = EncodedDataset(train_records, tokenizer, args.max_seq_len)
     dev_set = EncodedDataset(dev_records, tokenizer, args.max_seq_len)
-    return train_set, dev_set, tokenizer, model, model_name, lr
+    return Prepared(train_set, dev_set, tokenizer, model, model_name, lr)
 
 
 def set_seed(seed):
@@ -164,7 +175,7 @@ class GlobalBatchSampler(Sampler):
         self.fill = fill
         self.steps_skipped = 0
         self.micro_batch_size = batch_size * num_replicas  # over all processes
-        self.global_batch_size = self.micro_batch_size * accumulation_steps
+        self.global_batch_size = global_batch_size(batch_size, num_replicas, accumulation_steps)
 
     def set_epoch(self, epoch, steps_taken=0):
         """Epoch `epoch` (from 1) comes next. On resume, `steps_taken` of the run are in the checkpoint:
@@ -182,6 +193,11 @@ class GlobalBatchSampler(Sampler):
         for step in range(first_step, last_step):
             epoch, step_in_epoch = divmod(step, len(per_step))
             yield epoch + 1, step + 1, per_step[step_in_epoch]
+
+    def samples_in_step(self, step):
+        """Samples in optimizer step `step` (counted from 1 across epochs): what the callbacks count."""
+        sizes = self.global_batch_sizes()
+        return sizes[(step - 1) % len(sizes)]
 
     def global_batch_sizes(self):
         """Samples in each global batch of an epoch, in order (the same for every epoch)."""
@@ -220,6 +236,11 @@ class GlobalBatchSampler(Sampler):
                 yield [(index, weight) for index in share] + [(micro_batch[0], 0.0)] * repeats
 
 
+def global_batch_size(batch_size, world_size, accumulation_steps):
+    """Samples per optimizer step: --batch-size per process and micro-batch, x processes, x --grad-accum."""
+    return batch_size * world_size * accumulation_steps
+
+
 def train_sampler(dataset, args, num_replicas=1, rank=0):
     """The training sampler: this process's share of every micro-batch of every global batch,
     reshuffled per epoch."""
@@ -246,6 +267,20 @@ def make_loader(dataset, args, tokenizer, batch_sampler):
                       generator=torch.Generator().manual_seed(args.seed))
 
 
+class Loaders(NamedTuple):
+    train: DataLoader
+    dev: DataLoader
+
+
+def make_loaders(data, args, world_size=1, rank=0):
+    """The training and dev loaders of `data` (a Prepared): this process's share (`rank` of `world_size`)
+    of every global batch."""
+    train = train_sampler(data.train_set, args, world_size, rank)
+    dev = eval_sampler(data.dev_set, args, world_size, rank)
+    return Loaders(make_loader(data.train_set, args, data.tokenizer, train),
+                   make_loader(data.dev_set, args, data.tokenizer, dev))
+
+
 # ----------------------------------------------------------------------------- training
 
 class Run:
@@ -253,12 +288,13 @@ class Run:
     it trains, the lines it prints and the result.json it writes. The Trainer is a Run that trains;
     the Hugging Face script's Run reports what transformers.Trainer trained."""
 
-    def __init__(self, args, strategy, model, tokenizer, train_loader, dev_loader, model_name, lr):
+    def __init__(self, args, strategy, model, data, loaders):
+        """`model` as the strategy wrapped it, `data` from load_data_and_model, `loaders` from make_loaders."""
         self.args, self.strategy, self.model = args, strategy, model
-        self.tokenizer, self.train_loader, self.dev_loader = tokenizer, train_loader, dev_loader
-        self.model_name, self.lr = model_name, lr
+        self.tokenizer, self.model_name, self.lr = data.tokenizer, data.model_name, data.lr
+        self.train_loader, self.dev_loader = loaders
         self.output_dir = Path(args.output_dir)
-        self.global_batch_size = train_loader.batch_sampler.global_batch_size  # samples per optimizer step
+        self.global_batch_size = self.train_loader.batch_sampler.global_batch_size  # samples per optimizer step
         self.threads = set_threads(args.threads, strategy.local_world_size)
         self.native_precision = computes_natively(strategy.precision, strategy.device)
         self.callbacks = []
@@ -283,6 +319,20 @@ class Run:
         results.publish(self, result, metrics)
         return result
 
+    def start_measurements(self, first_step, optimizer, wrapped=None, bar=True):
+        """The measurements of every script, as callbacks (the Hugging Face Trainer's events call them
+        too): the counts and progress bar, the model state, the throughput, the curves (TensorBoard's),
+        and any that SUITE_CALLBACKS names. `wrapped`: the model as its library wrapped it, where this Run holds it
+        bare (the Hugging Face script's); the model state and SUITE_CALLBACKS' callbacks see that one."""
+        hooked = self
+        if wrapped is not None:
+            hooked = copy.copy(self)
+            hooked.model = wrapped
+        self.progress, throughput = measure.Progress(self, first_step, bar=bar), measure.Throughput(self)
+        self.callbacks = [self.progress, measure.ModelStateCount(self.strategy, hooked.model, optimizer),
+                          throughput, curves.Curves(self, optimizer, throughput, first_step),
+                          *measure.extra_callbacks(hooked)]
+
     def notify(self, point, *args):
         """Call each callback's method for this point of the loop (measure.Callback names them)."""
         for callback in self.callbacks:
@@ -292,8 +342,8 @@ class Run:
 class Trainer(Run):
     """The train / evaluate / save loop every strategy runs."""
 
-    def __init__(self, args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr):
-        super().__init__(args, strategy, model, tokenizer, train_loader, dev_loader, model_name, lr)
+    def __init__(self, args, strategy, model, optimizer, data, loaders):
+        super().__init__(args, strategy, model, data, loaders)
         self.optimizer = optimizer
 
     def fit(self):
@@ -301,13 +351,9 @@ class Trainer(Run):
         results.announce(self)
         checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
-        # Callbacks beside the loop, called at its named points: the counts, the model state, the
-        # throughput and the curves (TensorBoard's) always, any that SUITE_CALLBACKS names, the step
+        # Callbacks beside the loop, called at its named points: every script's measurements, the step
         # profile with --profile, and a checkpoint when a scheduler signals with --save-on-signal.
-        self.progress, throughput = measure.Progress(self, first_step), measure.Throughput(self)
-        self.callbacks = [self.progress, measure.ModelStateCount(self.strategy, self.model, self.optimizer),
-                          throughput, curves.Curves(self, self.optimizer, throughput, first_step),
-                          *measure.extra_callbacks(self)]
+        self.start_measurements(first_step, self.optimizer)
         if self.args.profile:
             self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
         if self.args.save_on_signal:
@@ -403,26 +449,17 @@ class Trainer(Run):
         gathered = [self.strategy.gather(torch.cat(part)).cpu().numpy()
                     for part in (indices, weights, predictions, labels, losses)]
         indices, predictions, labels, losses = each_sample_once(*gathered)
-        if not np.array_equal(indices, np.arange(len(self.dev_loader.dataset))):
-            raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {len(self.dev_loader.dataset)} "
-                               f"dev samples in {len(indices)} predictions")
+        check_every_dev_sample(indices, len(self.dev_loader.dataset))
         # Every process scores, though only rank 0 reports: a DDP process that left right after the
         # gather could free its gloo group while gloo's thread still waits for the GIL to free the
         # gather's tensors, and hang at exit.
         return results.dev_metrics(predictions, labels, losses, LABELS)
 
     def forward(self, batch):
-        """Logits, and this process's part of the global batch's mean loss (computed here, not inside
-        the model, so that every strategy weighs samples the same way)."""
+        """Logits, and this process's part of the global batch's mean loss (weighted_loss)."""
         with self.strategy.autocast():
-            logits = self.model(input_ids=batch["input_ids"],
-                                attention_mask=models.prepared_mask(batch["attention_mask"])).logits
-        per_sample = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
-        # The loss-weighting rule (see GlobalBatchSampler): weighted by 1 / (samples in the global
-        # batch), the sums over processes and micro-batches add up to the single-device mean. Every
-        # library here averages the gradients over the processes; multiplying by their count turns
-        # that average into the sum.
-        return logits, (per_sample * batch["weight"]).sum() * self.strategy.world_size
+            logits = model_logits(self.model, batch)
+        return logits, weighted_loss(logits, batch, self.strategy.world_size)
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -451,8 +488,8 @@ class Strategy:
     def is_main(self):
         return self.rank == 0
 
-    def gpus(self):
-        """The GPUs whose random generators this process draws from (dropout): its own."""
+    def gpus_in_use(self):
+        """The GPUs this process computes on, whose random generators it draws from (dropout): its own."""
         if self.device.type != "cuda":
             return []
         return [self.device.index if self.device.index is not None else torch.cuda.current_device()]
@@ -561,3 +598,26 @@ def each_sample_once(indices, weights, *columns):
     real = weights > 0
     order = np.argsort(indices[real], kind="stable")
     return (indices[real][order], *(column[real][order] for column in columns))
+
+
+def check_every_dev_sample(indices, dev_size):
+    """Evaluation saw each of the `dev_size` dev samples exactly once (each_sample_once's indices)."""
+    if not np.array_equal(indices, np.arange(dev_size)):
+        raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {dev_size} dev samples in "
+                           f"{len(indices)} predictions")
+
+
+def model_logits(model, batch):
+    """The model's logits for a batch of the suite's loaders (their index and weight are not its inputs)."""
+    return model(input_ids=batch["input_ids"], attention_mask=models.prepared_mask(batch["attention_mask"])).logits
+
+
+def weighted_loss(logits, batch, world_size):
+    """This process's part of the global batch's mean loss, computed here, not inside the model, so
+    that every strategy weighs samples the same way (the Hugging Face Trainer's compute_loss too).
+    The loss-weighting rule (see GlobalBatchSampler): weighted by 1 / (samples in the global batch),
+    the sums over processes and micro-batches add up to the single-device mean. Every library here
+    averages the gradients over the processes; multiplying by their count turns that average into
+    the sum."""
+    per_sample = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+    return (per_sample * batch["weight"]).sum() * world_size

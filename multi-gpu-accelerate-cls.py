@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 
 import common
-from support import checkpoints, cli, machine, models
+from support import checkpoints, cli, launch, machine, models
 
 
 class Accelerate(common.Strategy):
@@ -95,13 +95,6 @@ class Accelerate(common.Strategy):
         return {"accelerate": accelerate.__version__}
 
 
-def launcher_name():
-    """accelerate launch hands its settings to the processes as ACCELERATE_* variables; torchrun does not."""
-    if "ACCELERATE_MIXED_PRECISION" in os.environ:
-        return "accelerate launch"
-    return "torchrun" if "WORLD_SIZE" in os.environ else "python"
-
-
 def main():
     parser = cli.build_parser(__file__, __doc__)
     cli.add_distributed_args(parser)
@@ -121,11 +114,12 @@ def main():
         # [precision] On CPU Accelerate accepts fp16 but silently trains in fp32: refuse rather than mislabel.
         precision = {"no": "fp32"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
         machine.check_precision(precision, accelerator.device)
-        strategy = Accelerate(accelerator, launcher_name(), precision)
+        strategy = Accelerate(accelerator, launch.accelerate_launcher(), precision)
         accelerator.print(f"accelerate: {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
                           f"mixed precision {accelerator.mixed_precision}")
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
+        data = common.load_data_and_model(args, strategy)
+        model = data.model
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
             model.compile(**models.compile_options(args, strategy))
 
@@ -134,19 +128,15 @@ def main():
         #    samples from the start of the epoch, which train twice (even_batches=True); with
         #    even_batches=False the process with more batches waits forever in the all-reduce. Our
         #    sampler evens them out with repeats that weigh nothing.
-        train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(
-            train_set, args, accelerator.num_processes, accelerator.process_index))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(
-            dev_set, args, accelerator.num_processes, accelerator.process_index))
-        optimizer = models.make_optimizer(model, lr, args.weight_decay)
+        loaders = common.make_loaders(data, args, accelerator.num_processes, accelerator.process_index)
+        optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
         # [wrap] One call does the rest of the DDP script's set-up: moves the model to this process's
         #    device and wraps it in DDP (and in autocast for mixed precision), and wraps the
         #    optimizer (fp16 loss scaling).
         model, optimizer = accelerator.prepare(model, optimizer)
 
-        trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
-        trainer.fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         accelerator.end_training()

@@ -26,7 +26,7 @@ class DataParallelStrategy(common.Strategy):
         super().__init__(device)
         self.gpu_ids = gpu_ids
 
-    def gpus(self):
+    def gpus_in_use(self):
         # The copies on the other GPUs draw their dropout from those GPUs' generators: a checkpoint
         # saves and --resume restores every one of them, not only the first GPU's.
         return self.gpu_ids
@@ -78,8 +78,8 @@ def main():
         torch.cuda.set_device(device)
     strategy = DataParallelStrategy(device, gpu_ids)
 
-    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
-    model.to(device)
+    data = common.load_data_and_model(args, strategy)
+    model = data.model.to(device)
     # [batch] Each forward pass splits the batch over the GPUs (--batch-size is the whole batch: pass
     #    32 x GPUs to give each GPU what DDP gives each process), runs a copy of the model on each and
     #    gathers the logits on the first GPU.
@@ -91,14 +91,12 @@ def main():
     if gpu_ids:
         model = DataParallel(model, device_ids=gpu_ids)
 
-    train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))
-    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
-    optimizer = models.make_optimizer(model, lr, args.weight_decay)
+    loaders = common.make_loaders(data, args)
+    optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
     # [grad-accum] --grad-accum N works as on one device: the gradients of N micro-batches add up on the first
     #    GPU, where DataParallel gathers them anyway, and the optimizer steps once.
-    trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
-    trainer.fit()
+    common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
 
 
 if __name__ == "__main__":

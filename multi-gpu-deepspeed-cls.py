@@ -156,11 +156,12 @@ def main():
     try:
         strategy = DeepSpeed(device, rank, world_size, local_world_size, precision, config)
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
+        data = common.load_data_and_model(args, strategy)
+        model = data.model
         # [wrap] The engine takes DDP's place: it moves the model to the device, casts it to fp16/bf16,
         #    partitions the optimizer state (stage 1+), gradients (2+) and weights (3), and wraps the
         #    optimizer, built first: AdamW, or DeepSpeed's CPU Adam when the optimizer is offloaded.
-        optimizer = deepspeed_setup.make_optimizer(model, lr, args, config)
+        optimizer = deepspeed_setup.adamw_or_cpu_adam(model, data.lr, args, config)
         with deepspeed_setup.config_errors():  # a bad key in the config file: one line, no traceback
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         strategy.engine = engine
@@ -173,12 +174,9 @@ def main():
 
         # [data] Our own loaders, sharded as DDP's, rather than the ones deepspeed.initialize can build:
         #    the same samples reach the same ranks in every script, each dev sample is evaluated once.
-        train_loader = common.make_loader(train_set, args, tokenizer,
-                                          common.train_sampler(train_set, args, world_size, rank))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
+        loaders = common.make_loaders(data, args, world_size, rank)
 
-        trainer = common.Trainer(args, strategy, engine, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
-        trainer.fit()
+        common.Trainer(args, strategy, engine, optimizer, data, loaders).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()

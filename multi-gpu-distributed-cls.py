@@ -59,8 +59,8 @@ def main():
         if args.local_rank is not None:  # passed by the legacy launcher only
             strategy.launcher = "torch.distributed.launch"
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
-        model.to(device)
+        data = common.load_data_and_model(args, strategy)
+        model = data.model.to(device)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
             model.compile(**models.compile_options(args, strategy))
         # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
@@ -69,13 +69,10 @@ def main():
 
         # [data] Each process reads a different 1/world_size of every global batch, so the global batch
         #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
-        train_loader = common.make_loader(train_set, args, tokenizer,
-                                          common.train_sampler(train_set, args, world_size, rank))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
-        optimizer = models.make_optimizer(model, lr, args.weight_decay)
+        loaders = common.make_loaders(data, args, world_size, rank)
+        optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
-        trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
-        trainer.fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()

@@ -122,8 +122,8 @@ def train(args, rank, local_rank, first_failure):
     try:
         strategy = DDPWithAMP(device, rank, world_size, local_world_size=args.nprocs, precision=args.precision)
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
-        model.to(device)
+        data = common.load_data_and_model(args, strategy)
+        model = data.model.to(device)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
             model.compile(**models.compile_options(args, strategy))
         # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
@@ -132,13 +132,10 @@ def train(args, rank, local_rank, first_failure):
 
         # [data] Each process reads a different 1/world_size of every global batch, so the global batch
         #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
-        train_loader = common.make_loader(train_set, args, tokenizer,
-                                          common.train_sampler(train_set, args, world_size, rank))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
-        optimizer = models.make_optimizer(model, lr, args.weight_decay)
+        loaders = common.make_loaders(data, args, world_size, rank)
+        optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
-        trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
-        trainer.fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
     except Exception:
         # [failure] Note the first rank to fail before leaving the group, which makes the others fail too:
         #    the parent then names the cause, not a rank that only lost its peer.

@@ -23,10 +23,10 @@ from lightning_fabric import Fabric
 
 import common
 from libraries import fabric_setup
-from support import cli, models
+from support import cli, launch, models
 
 
-class ThroughFabric(fabric_setup.FabricCollectives):
+class ThroughFabric(fabric_setup.FabricSupport):
     """The suite's Strategy, carried out by Fabric (whose own strategy, --fabric-strategy, is how it
     wraps the model)."""
     name = "fabric"
@@ -71,7 +71,7 @@ def main():
     # [launch] What the launcher asked for, checked before anything starts: a precision or a strategy this
     #    device cannot run is refused in one line.
     device, precision = fabric_setup.resolve_launch(args)
-    launcher = fabric_setup.launcher_name()
+    launcher = launch.fabric_launcher()
 
     # [ranks] Fabric reads the ranks from the launcher; how many processes run on each machine comes
     #    from fabric run, or from the script under torchrun (layout). --fabric-strategy picks how
@@ -86,11 +86,10 @@ def main():
         if launcher != "fabric run":
             fabric.launch()
         strategy = ThroughFabric(fabric, args.fabric_strategy, launcher, precision)
-        if strategy.is_main:
-            print(f"fabric: {type(fabric.strategy).__name__}, {fabric.world_size} process(es), "
-                  f"{fabric.device.type}, precision {fabric.strategy.precision.precision}")
+        fabric_setup.announce(fabric)
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
+        data = common.load_data_and_model(args, strategy)
+        model = data.model
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
             model.compile(**models.compile_options(args, strategy))
 
@@ -100,11 +99,11 @@ def main():
         #    after the wrapping, so that under FSDP2 it holds the shards; DeepSpeed builds its engine
         #    from both at once.
         if args.fabric_strategy == "deepspeed":
-            model, optimizer = fabric.setup(model, models.make_optimizer(model, lr, args.weight_decay))
+            model, optimizer = fabric.setup(model, models.make_optimizer(model, data.lr, args.weight_decay))
             strategy.engine = fabric.strategy.model
         else:
             model = fabric.setup_module(model)
-            optimizer = fabric.setup_optimizers(models.make_optimizer(model, lr, args.weight_decay))
+            optimizer = fabric.setup_optimizers(models.make_optimizer(model, data.lr, args.weight_decay))
 
         # [data] Each process reads a different 1/world_size of every global batch, by the suite's own
         #    samplers, as in the DDP script. Left to itself (use_distributed_sampler=True) Fabric
@@ -112,15 +111,11 @@ def main():
         #    repeating samples (trained twice, dev samples counted twice). The Trainer moves each
         #    batch to the device itself, after counting its tokens on the CPU: counted on a GPU
         #    (move_to_device=True), they would make the CPU wait for it at every micro-batch.
-        train_loader, dev_loader = fabric.setup_dataloaders(
-            common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args, fabric.world_size,
-                                                                                fabric.global_rank)),
-            common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, fabric.world_size,
-                                                                             fabric.global_rank)),
-            use_distributed_sampler=False, move_to_device=False)
+        loaders = common.make_loaders(data, args, fabric.world_size, fabric.global_rank)
+        loaders = common.Loaders(*fabric.setup_dataloaders(*loaders, use_distributed_sampler=False,
+                                                           move_to_device=False))
 
-        trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
-        trainer.fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         #    (Fabric destroys only an NCCL group itself, at the interpreter's exit.)

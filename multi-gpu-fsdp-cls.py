@@ -119,8 +119,8 @@ def main():
     args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
-    # [ranks] The global rank decides who prints and saves; the local rank decides which GPU this
-    #    process uses.
+    # [ranks] The global rank (0 .. world size - 1, across all machines) decides who prints and saves;
+    #    the local rank (0 .. processes on this machine - 1) decides which GPU this process uses.
     rank, world_size, local_rank, local_world_size = launch.launch_environment(
         "torchrun --nproc_per_node N multi-gpu-fsdp-cls.py")
     device = machine.resolve_device(args.device, local_rank)
@@ -138,10 +138,8 @@ def main():
         strategy = FSDP2(device, rank, world_size, local_world_size, args.precision, args.reshard_after_forward,
                          args.offload)
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
-        if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile(**models.compile_options(args, strategy))
-
+        data = common.load_data_and_model(args, strategy)
+        model = data.model  # compiled layer by layer below
         # [precision] Mixed precision is FSDP's own: it gathers the weights in 16 bits to compute, and keeps
         #    the shards, the optimizer and the gradient reductions in fp32 (no autocast needed).
         #    The --offload shards live in CPU memory and the optimizer steps there.
@@ -156,24 +154,21 @@ def main():
         #    layers first, the root last: the root takes what is left (embeddings, pooler and
         #    classifier), and fully_shard moves the weights to the mesh's device.
         for layer in model.bert.encoder.layer:
-            if args.compile:  # each layer too, before it is sharded, as torchtitan does (FSDP's hooks run eager)
-                layer.compile(**models.compile_options(args, strategy))
+            if args.compile:  # each layer, before it is sharded (FSDP's hooks run eager), not the root too, which
+                layer.compile(**models.compile_options(args, strategy))  # would trace them again: torchtitan's way
             fully_shard(layer, **policies)
         fully_shard(model, **policies)
 
         # [data] Each process reads a different 1/world_size of every global batch, as with DDP.
-        train_loader = common.make_loader(train_set, args, tokenizer,
-                                          common.train_sampler(train_set, args, world_size, rank))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
+        loaders = common.make_loaders(data, args, world_size, rank)
 
         # [optimizer] The optimizer after sharding: it must hold the shards (DTensors), so that each process
         #    keeps and steps the Adam moments of its own 1/N only.
-        optimizer = models.make_optimizer(model, lr, args.weight_decay)
+        optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
         # [backward] backward() reduce-scatters each layer's gradients as soon as they are computed,
         #    averaged over the processes, overlapping the communication with the layers below.
-        trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
-        trainer.fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()

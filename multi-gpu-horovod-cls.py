@@ -85,8 +85,8 @@ def main():
         torch.cuda.set_device(device)
     strategy = Horovod(device, "fp16" if args.fp16_allreduce else "none")
 
-    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
-    model.to(device)
+    data = common.load_data_and_model(args, strategy)
+    model = data.model.to(device)
     if args.compile:  # in place, so the weights keep their names; a graph per step shape (--compile-dynamic)
         model.compile(**models.compile_options(args, strategy))
     # [wrap] Horovod does not wrap the model, so nothing else makes the copies start equal: send rank 0's
@@ -96,11 +96,8 @@ def main():
     # [data] Each process reads a different 1/size of every global batch, so the global batch is
     #    batch size x processes. The learning rate is NOT multiplied by the process count (Horovod's
     #    examples do that): the same global batch then takes the same step as DDP and one device.
-    train_loader = common.make_loader(train_set, args, tokenizer,
-                                      common.train_sampler(train_set, args, hvd.size(), hvd.rank()))
-    dev_loader = common.make_loader(dev_set, args, tokenizer,
-                                    common.eval_sampler(dev_set, args, hvd.size(), hvd.rank()))
-    optimizer = models.make_optimizer(model, lr, args.weight_decay)
+    loaders = common.make_loaders(data, args, hvd.size(), hvd.rank())
+    optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
     # [optimizer] The DistributedOptimizer hooks every named parameter and averages its gradient across
     #    processes during backward(). fp16 compression halves the bytes sent but rounds each gradient.
@@ -112,7 +109,7 @@ def main():
                                          compression=compression, op=hvd.Average,
                                          backward_passes_per_step=args.grad_accum)
 
-    # [optimizer] Give every process rank 0's optimizer. Fresh, it holds only its settings (learning rate,
+    # [broadcast] Give every process rank 0's optimizer. Fresh, it holds only its settings (learning rate,
     #    betas, weight decay), which every process has built alike from the command line: as with
     #    the weights, the broadcast makes it certain. (--resume then has every process load the same checkpoint
     #    file, weights and Adam moments, after checking that each one can read it.) Not with
@@ -120,8 +117,7 @@ def main():
     #    which for AdamW decays the weights once and makes the first real update about a quarter smaller.
     optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
 
-    trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
-    trainer.fit()
+    common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ the suite's way is refused in one line, each reason in transformers_setup: --res
 --save-on-signal, --profile, --fsdp on a CPU, python on several GPUs.
 """
 import functools
-import os
 
 import torch.distributed as dist
 from transformers import TrainingArguments
@@ -43,25 +42,41 @@ from libraries import transformers_setup
 from support import checkpoints, cli, launch, machine, models, results
 
 
+def training_arguments(args, device, launched, own_group, deepspeed_config):
+    # [config] TrainingArguments is the Trainer's whole configuration; creating it joins the process
+    #    group (NCCL between GPUs) and picks this process's device. The suite's options map to
+    #    its arguments; suite_defaults undoes the Trainer defaults that the suite does not have.
+    return TrainingArguments(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch_size,  # --batch-size: per process and micro-batch
+        per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,  # --grad-accum: no_sync on a step's first N - 1 micro-batches
+        num_train_epochs=args.epochs,
+        weight_decay=args.weight_decay,
+        bf16=args.precision == "bf16",                # --precision: Accelerate's autocast around the model's
+        fp16=args.precision == "fp16",                # forward (fp16: and its gradient scaler)
+        seed=args.seed,                               # it seeds random, numpy and torch with it, as
+                                                      # common.set_seed does: the same dropout masks as DDP's
+        logging_steps=args.log_steps,
+        ddp_timeout=round(args.dist_timeout),         # --dist-timeout (GPUs; CPUs: join_group_on_cpu)
+        deepspeed=deepspeed_config,
+        fsdp=args.fsdp or None,                       # the older fsdp="full_shard" still works, with a warning
+        fsdp_config={"version": 2, "reshard_after_forward": True} if args.fsdp else None,
+        **transformers_setup.suite_defaults(device, launched, own_group, deepspeed_config),
+    )
+
+
 def main():
     parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser, local_rank=True)  # the legacy and deepspeed launchers pass --local_rank
-    cli.add_precision_arg(parser)
-    parser.add_argument("--deepspeed", metavar="JSON",
-                        help="train with DeepSpeed through TrainingArguments(deepspeed=...), e.g. "
-                             "configs/deepspeed/zero2.json (batch sizes, clipping and precision come from the "
-                             "command line)")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="train with FSDP2 through TrainingArguments(fsdp=True) (GPUs only)")
+    transformers_setup.add_trainer_args(parser)  # the launchers' --local_rank, --precision, --deepspeed, --fsdp
     args = cli.check_args(parser.parse_args())
     transformers_setup.refuse_what_the_trainer_cannot_do(args)
 
     # [ranks] One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads
     #    the same RANK / WORLD_SIZE / LOCAL_RANK variables the DDP script reads.
-    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ or launch.started_by_srun()
-    rank, world_size, local_rank, local_world_size = (
-        launch.launch_environment(f"torchrun --nproc_per_node N {transformers_setup.SCRIPT}") if launched
-        else (0, 1, 0, 1))
+    launched = launch.launched()
+    rank, world_size, local_rank, local_world_size = launch.launch_environment_or_alone(
+        f"torchrun --nproc_per_node N {transformers_setup.SCRIPT}")
     device = machine.resolve_device(args.device, local_rank)
     deepspeed_config = transformers_setup.read_deepspeed_config(args.deepspeed) if args.deepspeed else None
     transformers_setup.refuse_what_this_machine_cannot_do(args, device, launched, deepspeed_config)
@@ -71,77 +86,57 @@ def main():
         # [group] CPU processes join their gloo group here, GPU ones in TrainingArguments (join_group_on_cpu says why).
         if own_group:
             transformers_setup.join_group_on_cpu(args, deepspeed=deepspeed_config is not None)
-
-        # [config] TrainingArguments is the Trainer's whole configuration; creating it joins the process
-        #    group (NCCL between GPUs) and picks this process's device. The suite's options map to
-        #    its arguments; suite_defaults undoes the Trainer defaults that the suite does not have.
-        training_args = TrainingArguments(
-            output_dir=args.output_dir,
-            per_device_train_batch_size=args.batch_size,  # --batch-size: per process and micro-batch
-            per_device_eval_batch_size=args.batch_size,
-            gradient_accumulation_steps=args.grad_accum,  # --grad-accum: no_sync on a step's first N - 1 micro-batches
-            num_train_epochs=args.epochs,
-            weight_decay=args.weight_decay,
-            bf16=args.precision == "bf16",                # --precision: Accelerate's autocast around the model's
-            fp16=args.precision == "fp16",                # forward (fp16: and its gradient scaler)
-            seed=args.seed,                               # it seeds random, numpy and torch with it, as
-                                                          # common.set_seed does: the same dropout masks as DDP's
-            logging_steps=args.log_steps,
-            ddp_timeout=round(args.dist_timeout),         # --dist-timeout (GPUs; CPUs: join_group_on_cpu)
-            deepspeed=deepspeed_config,
-            fsdp=args.fsdp or None,                       # the older fsdp="full_shard" still works, with a warning
-            fsdp_config={"version": 2, "reshard_after_forward": True} if args.fsdp else None,
-            **transformers_setup.suite_defaults(device, launched, own_group, deepspeed_config),
-        )
+        training_args = training_arguments(args, device, launched, own_group, deepspeed_config)
         strategy = transformers_setup.suite_strategy(args, training_args, device, launched, rank, world_size,
                                                      local_world_size)
 
-        train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
+        data = common.load_data_and_model(args, strategy)
         if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
-            model.compile(**models.compile_options(args, strategy))
-        training_args.learning_rate = lr  # for the Trainer's logs; the optimizer is ours (create_optimizer)
+            data.model.compile(**models.compile_options(args, strategy))
+        training_args.learning_rate = data.lr  # for the Trainer's logs; the optimizer is ours (create_optimizer)
 
         # [data] The suite's loaders, sharded by rank as in the DDP script, in place of the Trainer's own
         #    (SuiteTrainer gives them to it, and tells the sampler each epoch, counting from 1 as every
         #    script does, where the Trainer would count from 0).
-        train_loader = common.make_loader(train_set, args, tokenizer,
-                                          common.train_sampler(train_set, args, world_size, rank))
-        dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args, world_size, rank))
+        loaders = common.make_loaders(data, args, world_size, rank)
 
         # What every script reports the same way (the thread policy, the printed lines, result.json)
-        # comes from the suite's Run; the Trainer below trains.
-        run = common.Run(args, strategy, model, tokenizer, train_loader, dev_loader, model_name, lr)
+        # comes from the suite's Run; the Trainer trains.
+        run = common.Run(args, strategy, data.model, data, loaders)
         results.announce(run)
         training_args.max_steps = run.total_steps() if args.max_steps else -1  # --max-steps (-1: the epochs decide)
-
-        # [train] The Trainer does what the DDP script writes by hand or takes from common.Trainer: moves
-        #    the model to the device and wraps it in DistributedDataParallel (or hands it to
-        #    DeepSpeed or FSDP) through Accelerate, runs forward, backward and the optimizer step,
-        #    skips the gradient all-reduce of a step's first N - 1 micro-batches, and averages the
-        #    logged loss over the processes. Its callbacks print the suite's lines and measure.
-        trainer = transformers_setup.SuiteTrainer(
-            run, model=model, args=training_args, train_dataset=train_set, eval_dataset=dev_set,
-            compute_metrics=functools.partial(transformers_setup.dev_metrics, dev_size=len(dev_set)))
-        trainer.train()
-        progress = trainer.measurements.progress()
-
-        # [evaluate] Trainer.evaluate runs the dev loader, gathers the logits (and our index and weight) from
-        #    every process batch by batch, and hands them to compute_metrics (dev_metrics).
-        metrics = {key.removeprefix("eval_"): value for key, value in trainer.evaluate().items()}
-        metrics["loss"] = metrics["dev_loss"]  # its own eval_loss averages batch means, repeats included
-
-        # [save] The whole weights (gathered by every process from DeepSpeed ZeRO-3 or FSDP shards), written
-        #    by rank 0 with checkpoints.save_model: safetensors, config and tokenizer, swapped in whole.
-        #    Trainer.save_model would write in place, and add training_args.bin (a pickle).
-        state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
-        if strategy.is_main:
-            checkpoints.save_model(trainer.accelerator.unwrap_model(trainer.model), tokenizer,
-                                   run.output_dir / "model", state_dict=state_dict)
-        run.write_result(progress, metrics, 0)  # 0: no --resume here; the measurements: run.callbacks
+        train_evaluate_save(run, training_args, data)
     finally:
         # [leave] Leave the process group on every exit path, failures included (what trainer.end() does).
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def train_evaluate_save(run, training_args, data):
+    # [train] The Trainer does what the DDP script writes by hand or takes from common.Trainer: moves
+    #    the model to the device and wraps it in DistributedDataParallel (or hands it to
+    #    DeepSpeed or FSDP) through Accelerate, runs forward, backward and the optimizer step,
+    #    skips the gradient all-reduce of a step's first N - 1 micro-batches, and averages the
+    #    logged loss over the processes. Its callbacks print the suite's lines and measure.
+    trainer = transformers_setup.SuiteTrainer(
+        run, model=data.model, args=training_args, train_dataset=data.train_set, eval_dataset=data.dev_set,
+        compute_metrics=functools.partial(transformers_setup.dev_metrics, dev_size=len(data.dev_set)))
+    trainer.train()
+    progress = trainer.measurements.progress()
+
+    # [evaluate] Trainer.evaluate runs the dev loader, gathers the logits (and our index and weight) from
+    #    every process batch by batch, and hands them to compute_metrics (dev_metrics).
+    metrics = {key.removeprefix("eval_"): value for key, value in trainer.evaluate().items()}
+    metrics["loss"] = metrics["dev_loss"]  # its own eval_loss averages batch means, repeats included
+
+    # [save] The whole weights (gathered by every process from DeepSpeed ZeRO-3 or FSDP shards), written
+    #    by rank 0 with checkpoints.save_model: safetensors, config and tokenizer, swapped in whole.
+    #    Trainer.save_model would write in place, and add training_args.bin (a pickle).
+    state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if run.strategy.is_main:
+        checkpoints.save_model(trainer.accelerator.unwrap_model(trainer.model), data.tokenizer,
+                               run.output_dir / "model", state_dict=state_dict)
+    run.write_result(progress, metrics, 0)  # 0: no --resume here; the measurements: run.callbacks
 
 
 if __name__ == "__main__":

@@ -11,27 +11,25 @@ from support import cli, machine, models
 
 
 def main():
-    args = cli.check_args(cli.build_parser(__file__, __doc__).parse_args())
+    parser = cli.build_parser(__file__, __doc__)
+    args = cli.check_args(parser.parse_args())
     common.set_seed(args.seed)
 
     # [device] One process on one device: no ranks, nothing to synchronise.
     device = machine.resolve_device(args.device)
     strategy = common.Strategy(device)
 
-    train_set, dev_set, tokenizer, model, model_name, lr = common.prepare_data(args, strategy)
-    model.to(device)
+    data = common.load_data_and_model(args, strategy)
+    model = data.model.to(device)
     if args.compile:  # in place, so the weights keep their names; a graph per step shape (--compile-dynamic)
         model.compile(**models.compile_options(args, strategy))
 
-    train_loader = common.make_loader(train_set, args, tokenizer, common.train_sampler(train_set, args))
-    dev_loader = common.make_loader(dev_set, args, tokenizer, common.eval_sampler(dev_set, args))
-    optimizer = models.make_optimizer(model, lr, args.weight_decay)
+    loaders = common.make_loaders(data, args)
+    optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
     # [grad-accum] With --grad-accum N the Trainer runs N micro-batches through forward and backward, whose
-    #    gradients add up in each parameter's .grad, then steps once: a batch N times larger than
-    #    the device holds, for N times the compute per step.
-    trainer = common.Trainer(args, strategy, model, optimizer, tokenizer, train_loader, dev_loader, model_name, lr)
-    trainer.fit()
+    #    gradients add up in .grad, then steps once: a batch N times what the device holds, for N times the compute.
+    common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
 
 
 if __name__ == "__main__":

@@ -6,10 +6,9 @@ import re
 import shlex
 from pathlib import Path
 
-from support import cli, files
+from support import cli
 
-from .rows import (BUILT_IN_VARIANTS, DEFAULT_ROWS, ROOT, SCRIPT_BATCH_SIZE, STRATEGIES, Variant, job_hosts, python,
-                   relative)
+from .rows import BUILT_IN_VARIANTS, DEFAULT_ROWS, ROOT, SCRIPT_BATCH_SIZE, STRATEGIES, Variant, job_hosts, relative
 
 
 # --real-size: every default row and every ZeRO stage at 2 processes, the sharded rows also at 4 (to show
@@ -27,7 +26,7 @@ def parse_args(argv, gpus, description=None):
     """The command line; `gpus` (gpu_count()) sets the default --nprocs; `description`: benchmark.py's."""
     parser = build_parser(gpus, description)
     args, passthrough = parser.parse_known_args(argv)
-    args = check_args(args, passthrough, parser.get_default("nprocs"), 0 if "cpu" in passthrough else gpus)
+    args = check_runner_args(args, passthrough, parser.get_default("nprocs"), 0 if "cpu" in passthrough else gpus)
     if gpus and max(args.counts) > gpus and "cpu" not in passthrough:  # one GPU per process: say so before any launch
         raise cli.UserError(f"--nprocs {args.nprocs}: this machine has {gpus} GPU(s) and each process takes one; "
                             "hide them to run CPU processes: CUDA_VISIBLE_DEVICES= ./run.sh --device cpu")
@@ -163,7 +162,7 @@ def names(option, value, known):
     return chosen
 
 
-def check_args(args, passthrough, default_nprocs, gpus=0):
+def check_runner_args(args, passthrough, default_nprocs, gpus=0):
     if args.real_size:
         apply_real_size(args, default_nprocs, gpus)
     args.batch_sizes = parse_counts(str(args.batch_size), "--batch-size", "batch size") if args.batch_size else [None]

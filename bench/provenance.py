@@ -7,10 +7,8 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from support import files
-
 from .estimate import bert_parameters
-from .rows import ROOT, python, relative
+from .rows import ROOT, relative
 
 
 # The modules the rows import, each versioned by the distribution that installed it: lightning_fabric comes
@@ -97,7 +95,7 @@ def gpu_count():
     return torch.cuda.device_count()
 
 
-def resolve_model(choice, gpus):
+def choose_model(choice, gpus):
     """The model every strategy trains, resolved once, here, and said. Without --model: auto with
     GPUs; without them the tiny model, since eleven rows of the real BERT on a CPU take hours."""
     import common

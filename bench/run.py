@@ -15,13 +15,12 @@ from tqdm import tqdm
 
 from support import cli, files, flops
 
-from .estimate import processes
-from .options import devices, not_runnable, script_options
+from .options import not_runnable, script_options
 from .rows import (BATCH_FILES, CANNOT_SPAN_NODES, ROOT, STRATEGIES, launch_across_nodes, library_missing, relative,
                    why_not_ready)
 
 
-class Progress:
+class LaunchProgress:
     """In a terminal, one updating line: the launch running and the time left for the whole
     benchmark. Otherwise (CI, a log file), one plain line per finished launch."""
 
@@ -51,7 +50,7 @@ class Progress:
 def run_all(args, cells, model, gpus, after_each):
     """Launch every cell --repeat times, round-robin: repeat 1 of every cell, then repeat 2, ...;
     `after_each()` runs after every launch (to keep the report up to date)."""
-    progress = Progress(len(cells) * args.repeat)
+    progress = LaunchProgress(len(cells) * args.repeat)
     for cell in cells:
         (args.output_dir / f"{cell['row']}.log").unlink(missing_ok=True)
     try:

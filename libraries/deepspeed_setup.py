@@ -135,7 +135,8 @@ def build_config(args, device, world_size):
 
     # The DataLoader is ours and reads --batch-size per process and micro-batch, so the global batch
     # is the same as in every other script: --batch-size x processes x --grad-accum.
-    batch = dict(zip(BATCH_KEYS, (args.batch_size, args.grad_accum, args.batch_size * world_size * args.grad_accum)))
+    batch = dict(zip(BATCH_KEYS, (args.batch_size, args.grad_accum,
+                                 common.global_batch_size(args.batch_size, world_size, args.grad_accum))))
     for key, value in batch.items():
         if config.get(key, value) != value:
             raise cli.UserError(f"{args.deepspeed_config} sets {key} {config[key]}, but the command line gives "
@@ -159,7 +160,8 @@ def offload_label(zero):
     return "+".join(parts) or "none"
 
 
-def make_optimizer(model, lr, args, config):
+def adamw_or_cpu_adam(model, lr, args, config):
+    """The suite's AdamW, or DeepSpeed's CPU Adam with the same groups where ZeRO offloads the optimizer."""
     optimizer = models.make_optimizer(model, lr, args.weight_decay)
     if "optimizer" not in offload_label(config["zero_optimization"]):
         return optimizer

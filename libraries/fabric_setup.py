@@ -10,7 +10,6 @@ from datetime import timedelta
 
 import lightning_fabric
 import torch
-import torch.distributed as dist
 from lightning_fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -36,13 +35,6 @@ def add_fabric_args(parser):
                         help="ddp: a model copy per process; fsdp2: weights, gradients and optimizer state sharded "
                              "(Fabric's ModelParallelStrategy); deepspeed: ZeRO stage 2 (CUDA GPUs only)")
     cli.add_precision_arg(parser, default=None, default_help="fabric run's --precision, else fp32")
-
-
-def launcher_name():
-    """fabric run marks its processes with LT_CLI_USED=1; torchrun sets TORCHELASTIC_RUN_ID."""
-    if os.environ.get("LT_CLI_USED") == "1":
-        return "fabric run"
-    return "torchrun" if dist.is_torchelastic_launched() else "python"
 
 
 def resolve_launch(args):
@@ -106,7 +98,7 @@ def fabric_strategy(args):
     config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": deepspeed_setup.REDUCE_BUCKET_ELEMENTS},
               "gradient_clipping": 0.0,
               "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
-              "train_batch_size": args.batch_size * world_size * args.grad_accum}
+              "train_batch_size": common.global_batch_size(args.batch_size, world_size, args.grad_accum)}
     return DeepSpeedStrategy(config=config, timeout=timeout)
 
 
@@ -131,7 +123,14 @@ def fabric_errors():
         raise cli.UserError(f"Fabric: {str(error).strip().splitlines()[0]}") from None
 
 
-class FabricCollectives(common.Strategy):
+def announce(fabric):
+    """Rank 0's line: how Fabric runs (its strategy, processes, device and precision)."""
+    if fabric.is_global_zero:
+        print(f"fabric: {type(fabric.strategy).__name__}, {fabric.world_size} process(es), "
+              f"{fabric.device.type}, precision {fabric.strategy.precision.precision}")
+
+
+class FabricSupport(common.Strategy):
     """What the suite's Strategy needs from Fabric beside the training step: rank and device, objects
     shared between processes, the whole model and checkpoints saved through Fabric, the precision
     plugin's state, versions and result fields. multi-gpu-fabric-cls.py adds the step itself."""

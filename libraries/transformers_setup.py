@@ -3,23 +3,31 @@ defaults set back to the suite's (its learning-rate decay, clipping, fused AdamW
 loss and loss averaging), the DeepSpeed config and the gloo group of CPU processes, the suite's
 printed lines and measurements taken from the Trainer's callbacks, and what the Trainer cannot do,
 refused in one line."""
-import copy
 import os
-import time
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import PartialState
 from transformers import ProgressCallback, Trainer, TrainerCallback
 
 import common
-from support import cli, curves, files, machine, measure, models, results
+from support import cli, files, machine, measure, models, results
 
 from . import deepspeed_setup
 
 SCRIPT = "multi-gpu-transformers-cls.py"
+
+
+def add_trainer_args(parser):
+    cli.add_distributed_args(parser, local_rank=True)  # the legacy and deepspeed launchers pass --local_rank
+    cli.add_precision_arg(parser)
+    parser.add_argument("--deepspeed", metavar="JSON",
+                        help="train with DeepSpeed through TrainingArguments(deepspeed=...), e.g. "
+                             "configs/deepspeed/zero2.json (batch sizes, clipping and precision come from the "
+                             "command line)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="train with FSDP2 through TrainingArguments(fsdp=True) (GPUs only)")
 
 
 def refuse_what_the_trainer_cannot_do(args):
@@ -180,7 +188,7 @@ class SuiteTrainer(Trainer):
         super().__init__(**kwargs)
         self.remove_callback(ProgressCallback)  # SuiteLines keeps its bar and prints the suite's lines
         self.add_callback(SuiteLines(run.args, run.train_loader))
-        self.measurements = Measurements(self, run.strategy, run.train_loader)
+        self.measurements = Measurements(self)
         self.add_callback(self.measurements)
         self.add_callback(SuiteEpochs(run.train_loader.batch_sampler))
 
@@ -214,17 +222,16 @@ class SuiteTrainer(Trainer):
         # the Trainer casts every float input to that type, the weights too (trainer.py,
         # _prepare_input): 1/33 moves by up to 0.2%, the same factor for the whole step, which
         # Adam's update does not see. In fp32 they stay exact.)
-        outputs = model(input_ids=inputs["input_ids"], attention_mask=models.prepared_mask(inputs["attention_mask"]))
-        per_sample = F.cross_entropy(outputs.logits.float(), inputs["labels"], reduction="none")
-        loss = (per_sample * inputs["weight"]).sum() * self.args.world_size
+        logits = common.model_logits(model, inputs)
+        loss = common.weighted_loss(logits, inputs, self.args.world_size)
         if return_outputs:
             # Evaluation gathers these across processes; index and weight let compute_metrics
             # count each dev sample once.
-            return loss, {"logits": outputs.logits, "index": inputs["index"], "weight": inputs["weight"]}
+            return loss, {"logits": logits, "index": inputs["index"], "weight": inputs["weight"]}
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        self.measurements.count_tokens(inputs)  # beside the lesson: tokens per sample for result.json
+        self.run.progress.count_tokens(inputs)  # beside the lesson: tokens per sample for result.json
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.measurements.add_loss(loss)  # the micro-batch's part of the step's loss, for the curves
         return loss
@@ -241,9 +248,7 @@ def dev_metrics(prediction, dev_size):
     losses = F.cross_entropy(torch.from_numpy(logits).float(), torch.from_numpy(prediction.label_ids),
                              reduction="none").numpy()
     indices, logits, labels, losses = common.each_sample_once(indices, weights, logits, prediction.label_ids, losses)
-    if not np.array_equal(indices, np.arange(dev_size)):
-        raise RuntimeError(f"evaluated {len(np.unique(indices))} distinct of {dev_size} dev samples in "
-                           f"{len(indices)} predictions")
+    common.check_every_dev_sample(indices, dev_size)
     metrics = results.dev_metrics(logits.argmax(axis=-1), labels, losses, common.LABELS)
     metrics["dev_loss"] = metrics.pop("loss")  # the Trainer writes its own eval_loss over this one
     return metrics
@@ -294,84 +299,65 @@ class SuiteLines(ProgressCallback):
 
 
 class Measurements(TrainerCallback):
-    """What common.Trainer measures in its own loop, taken from the Trainer's callbacks: the training
-    loop's seconds (evaluations excluded), samples and tokens, peak memory, the model state once
-    Adam's moments exist, the curves (each step's loss, kept on the device as common.Trainer's loop
-    keeps it); and the callbacks SUITE_CALLBACKS names, called at each step's end."""
+    """The suite's measurements (common.Run.start_measurements: measure.Progress, the model state, the
+    throughput, SUITE_CALLBACKS') called at the Trainer's events, as common.Trainer calls them from its
+    loop; beside them, what only this Trainer needs: its logged loss, its evaluations' seconds (not
+    training time), and DeepSpeed's gradient partitions for the model-state count."""
 
-    def __init__(self, trainer, strategy, train_loader):
-        self.trainer, self.strategy = trainer, strategy
-        self.global_batch_sizes = train_loader.batch_sampler.global_batch_sizes()
-        self.tokens = measure.TokenCount()
-        self.samples, self.paused, self.seconds, self.last_loss = 0, 0.0, None, float("nan")
-        self.model_state, self.zero_partitions = None, []
-        self.start, self.step_loss = None, 0.0
-
-    def count_tokens(self, batch):
-        self.tokens.add(batch)
+    def __init__(self, trainer):
+        self.trainer, self.run = trainer, trainer.run
+        self.last_loss, self.zero_partitions, self.model_state = float("nan"), [], None
+        self.step_loss = 0.0  # this step's loss so far, kept on the device (the curves')
 
     def add_loss(self, loss):
         self.step_loss = self.step_loss + loss  # a tensor from the step's first micro-batch on
 
     def on_train_begin(self, args, state, control, **kwargs):
         # After the Trainer has wrapped the model and built the optimizer: what follows is the loop.
-        if self.trainer.is_deepspeed_enabled:
-            self.strategy.engine = self.trainer.model_wrapped
+        trainer = self.trainer
+        if trainer.is_deepspeed_enabled:
+            self.run.strategy.engine = trainer.model_wrapped
             # Accelerate steps the DeepSpeed engine inside backward, which frees the gradient partitions
             # before any Trainer callback runs. ZeRO hands them to the torch optimizer, one parameter
             # group at a time, as fp32 gradients: seen there, and counted with the rest after the step.
-            self.trainer.torch_optimizer.register_step_pre_hook(self.collect_zero_partitions)
-        self.model_state = measure.ModelStateCount(self.strategy, self.trainer.model_wrapped,
-                                                   self.trainer.torch_optimizer)
-        # The extra callbacks see the model as the Trainer wrapped it (DDP's, DeepSpeed's engine).
-        wrapped = copy.copy(self.trainer.run)
-        wrapped.model = self.trainer.model_wrapped
-        self.extra = measure.extra_callbacks(wrapped)
-        # What common.Run.write_result asks for each measurement's result.json fields (on_result).
-        self.throughput = measure.Throughput(self.trainer.run)
-        self.curves = curves.Curves(self.trainer.run, self.trainer.torch_optimizer, self.throughput, 0)
-        self.trainer.run.progress = self  # the throughput and the curves read the steps' tokens from it
-        self.trainer.run.callbacks = [self.model_state, self.throughput, self.curves, *self.extra]
-        machine.reset_peak_memory(self.strategy.device)
-        machine.synchronize(self.strategy.device)
-        self.start = time.perf_counter()
-        self.throughput.on_train_begin(self.trainer.run)
-        self.curves.on_train_begin(self.trainer.run)
+            trainer.torch_optimizer.register_step_pre_hook(self.collect_zero_partitions)
+        # The model state and SUITE_CALLBACKS' callbacks see the model as the Trainer wrapped it (DDP's,
+        # DeepSpeed's engine); its progress bar is SuiteLines'.
+        self.run.start_measurements(0, trainer.torch_optimizer, wrapped=trainer.model_wrapped, bar=False)
+        self.model_state = next(c for c in self.run.callbacks if isinstance(c, measure.ModelStateCount))
+        self.run.notify("on_train_begin")
 
     def collect_zero_partitions(self, optimizer, args, kwargs):
         if self.model_state.bytes is None:  # a step fp16 skips (its gradients overflowed) never gets here
             self.zero_partitions += [p.grad for group in optimizer.param_groups for p in group["params"]]
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.trainer.is_deepspeed_enabled:
-            if self.zero_partitions and self.model_state.bytes is None:  # after the engine's first update
-                self.model_state.count(gradients=self.zero_partitions)
-                self.zero_partitions = []
-        elif state.global_step == 1:  # before the second step: weights, gradients and Adam moments all exist
-            self.model_state.count()
+        if not self.trainer.is_deepspeed_enabled:  # counted before the second step, as common.Trainer does
+            self.run.notify("on_phase_begin", "optimizer step")
+        elif self.zero_partitions and self.model_state.bytes is None:  # after the engine's first update
+            self.model_state.count(gradients=self.zero_partitions)
+            self.zero_partitions = []
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if not self.trainer.is_deepspeed_enabled:
+            self.run.notify("on_phase_end", "optimizer step")
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.samples += self.global_batch_sizes[(state.global_step - 1) % len(self.global_batch_sizes)]
-        self.trainer.run.step_loss, self.step_loss = self.step_loss, 0.0
-        for callback in [self.throughput, self.curves, *self.extra]:
-            callback.on_step_end(self.trainer.run, state.global_step)
+        self.run.step_loss, self.step_loss = self.step_loss, 0.0
+        self.run.notify("on_step_end", state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in logs:
             self.last_loss = logs["loss"]
 
     def on_evaluate(self, args, state, control, **kwargs):
-        if self.seconds is None and "eval_runtime" in kwargs.get("metrics", {}):
-            self.paused += kwargs["metrics"]["eval_runtime"]  # --eval-steps: not training time
+        if self.run.progress.seconds is None and "eval_runtime" in kwargs.get("metrics", {}):
+            self.run.progress.add_pause(kwargs["metrics"]["eval_runtime"])  # --eval-steps: not training time
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        if state.global_step == state.max_steps:
-            machine.synchronize(self.strategy.device)
-            self.seconds = time.perf_counter() - self.start - self.paused
-            self.throughput.on_train_end(self.trainer.run)
-            self.curves.on_train_end(self.trainer.run)
+        if state.global_step == state.max_steps:  # before the Trainer's last log and clean-up
+            self.run.notify("on_train_end")
 
     def progress(self):
         """What common.Trainer.train returns, for common.Run.write_result."""
-        return {"seconds": self.seconds, "steps": self.trainer.state.global_step, "samples": self.samples,
-                "last_loss": self.last_loss, **self.tokens.totals(self.strategy)}
+        return {**self.run.progress.summary(), "last_loss": self.last_loss}

@@ -121,7 +121,8 @@ def print_table(rows, model_name):
               f"{r['busbw']:>13.3f}{mark}")
 
 
-def main():
+def parse_args():
+    """The command line, its values checked."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
     parser.add_argument("--model", default="auto",
                         help="whose gradient size to time: 'auto' (as the training scripts resolve it), 'tiny', "
@@ -150,7 +151,11 @@ def main():
         raise cli.UserError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.json and Path(args.json).is_dir():
         raise cli.UserError(f"--json {args.json} is a folder, not a file")
+    return args, sizes
 
+
+def main():
+    args, sizes = parse_args()
     rank, world_size, local_rank, local_world_size = launch.launch_environment(LAUNCH)
     device = pick_device(args.device, local_rank, local_world_size)
     # Pin the GPU before joining the group, so NCCL sets up its communicator on the right card.
@@ -170,25 +175,31 @@ def main():
                     size == model_bytes)
                 for size in sorted(set(sizes) | {model_bytes})]
         if rank == 0:
-            model_row = next(r for r in rows if r["model_gradients"])
-            print(f"all_reduce SUM fp32 | backend {backend} | world size {world_size} | "
-                  f"device {machine.device_description(device)} | torch {torch.__version__} | "
-                  f"{args.iters} timed after {args.warmup} warm-up calls per size")
-            print_table(rows, model_name)
-            print(f"A DDP step of {model_name} all-reduces its {elements:,} gradients ({model_bytes / 1e6:.2f} MB "
-                  f"fp32) once per optimizer step, cut into buckets of up to 25 MiB overlapped with backward: "
-                  f"{model_row['time_ms']:.3f} ms, the marked row, is the lower bound of its communication per "
-                  f"step on this machine.")
-            if args.json:
-                files.write_json(args.json, {
-                    "operation": "all_reduce", "op": "sum", "dtype": "float32", "backend": backend,
-                    "world_size": world_size, "device": machine.device_description(device),
-                    "torch": torch.__version__, "iters": args.iters, "warmup": args.warmup,
-                    "model": model_name, "model_parameters": elements, "bandwidth_unit": "GB/s (1e9 bytes/s)",
-                    "rows": rows})
+            report(args, rows, backend, world_size, device, model_name, elements)
     finally:
         # Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()
+
+
+def report(args, rows, backend, world_size, device, model_name, elements):
+    """Rank 0's table and conclusion, and the --json file."""
+    model_bytes = elements * FP32_BYTES
+    model_row = next(r for r in rows if r["model_gradients"])
+    print(f"all_reduce SUM fp32 | backend {backend} | world size {world_size} | "
+          f"device {machine.device_description(device)} | torch {torch.__version__} | "
+          f"{args.iters} timed after {args.warmup} warm-up calls per size")
+    print_table(rows, model_name)
+    print(f"A DDP step of {model_name} all-reduces its {elements:,} gradients ({model_bytes / 1e6:.2f} MB "
+          f"fp32) once per optimizer step, cut into buckets of up to 25 MiB overlapped with backward: "
+          f"{model_row['time_ms']:.3f} ms, the marked row, is the lower bound of its communication per "
+          f"step on this machine.")
+    if args.json:
+        files.write_json(args.json, {
+            "operation": "all_reduce", "op": "sum", "dtype": "float32", "backend": backend,
+            "world_size": world_size, "device": machine.device_description(device),
+            "torch": torch.__version__, "iters": args.iters, "warmup": args.warmup,
+            "model": model_name, "model_parameters": elements, "bandwidth_unit": "GB/s (1e9 bytes/s)",
+            "rows": rows})
 
 
 if __name__ == "__main__":

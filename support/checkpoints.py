@@ -61,7 +61,7 @@ def save(trainer, step):
     """Write the training checkpoint of `step` into <output-dir>/checkpoint, the strategy's way."""
     strategy = trainer.strategy
     state = {"step": step, "meaning": meaning(trainer),
-             "random_states": strategy.gather_objects(random_states(strategy.gpus())),
+             "random_states": strategy.gather_objects(random_states(strategy.gpus_in_use())),
              "strategy_state": strategy.extra_state()}
     strategy.save_state(trainer.model, trainer.optimizer, trainer.output_dir / "checkpoint", state)
 

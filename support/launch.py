@@ -32,6 +32,33 @@ def launch_environment(how_to_launch):
             int(local["LOCAL_WORLD_SIZE"]))
 
 
+def launched():
+    """Whether a launcher (torchrun, the legacy or deepspeed launcher) or srun's tasks started this
+    process, rather than plain python."""
+    return "RANK" in os.environ or "WORLD_SIZE" in os.environ or started_by_srun()
+
+
+def launch_environment_or_alone(how_to_launch):
+    """launch_environment's answer when launched(), else that of one process alone."""
+    return launch_environment(how_to_launch) if launched() else (0, 1, 0, 1)
+
+
+def accelerate_launcher():
+    """Which launcher started an Accelerate script: accelerate launch sets ACCELERATE_MIXED_PRECISION
+    in every process it starts (its default "no" too); torchrun sets WORLD_SIZE."""
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+        return "accelerate launch"
+    return "torchrun" if "WORLD_SIZE" in os.environ else "python"
+
+
+def fabric_launcher():
+    """Which launcher started a Fabric script: fabric run marks its processes with LT_CLI_USED=1;
+    torchrun sets TORCHELASTIC_RUN_ID (torch.distributed.is_torchelastic_launched)."""
+    if os.environ.get("LT_CLI_USED") == "1":
+        return "fabric run"
+    return "torchrun" if os.environ.get("TORCHELASTIC_RUN_ID") is not None else "python"
+
+
 # ----------------------------------------------------------------------------- Slurm, no launcher
 
 # What srun sets in every task it starts. SLURM_STEP_ID is missing from the batch script itself, which

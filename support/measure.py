@@ -25,12 +25,12 @@ class Progress(Callback):
     """What the loop did, counted beside it: its seconds (pauses taken out), steps, samples and
     tokens, and rank 0's progress bar."""
 
-    def __init__(self, trainer, first_step):
+    def __init__(self, trainer, first_step, bar=True):
         self.strategy, self.step, self.samples, self.paused = trainer.strategy, first_step, 0, 0.0
-        self.global_batch_sizes = trainer.train_loader.batch_sampler.global_batch_sizes()
+        self.seconds = None  # until the loop ends
         self.tokens = TokenCount()
-        self.bar = tqdm(total=trainer.total_steps(), initial=first_step, disable=not trainer.strategy.is_main,
-                        mininterval=1, dynamic_ncols=True)
+        self.bar = tqdm(total=trainer.total_steps(), initial=first_step, mininterval=1, dynamic_ncols=True,
+                        disable=not (bar and trainer.strategy.is_main))
 
     def count_tokens(self, batch):
         self.tokens.add(batch)
@@ -48,9 +48,13 @@ class Progress(Callback):
         if phase == "pause":
             self.paused += time.perf_counter() - self.pause_start
 
+    def add_pause(self, seconds):
+        """Time the caller measured that was not training (the Hugging Face Trainer's evaluations)."""
+        self.paused += seconds
+
     def on_step_end(self, trainer, step):
         self.step = step
-        self.samples += self.global_batch_sizes[(step - 1) % len(self.global_batch_sizes)]
+        self.samples += trainer.train_loader.batch_sampler.samples_in_step(step)
         self.bar.update()
 
     def on_train_end(self, trainer):
@@ -197,9 +201,7 @@ class Throughput(Callback):
         if self.first_step is None:
             synchronize(self.device)
             self.first_seconds = time.perf_counter() - self.start
-            sampler = trainer.train_loader.batch_sampler
-            sizes = sampler.global_batch_sizes()
-            self.first_step, self.first_samples = step, sizes[(step - 1) % len(sizes)]
+            self.first_step, self.first_samples = step, trainer.train_loader.batch_sampler.samples_in_step(step)
             self.first_tokens = trainer.progress.tokens.sums.clone()
         self.marks.append(self.mark())
 
@@ -227,7 +229,8 @@ class Throughput(Callback):
         steady_share = 1 - flops.training_flops(config, *self.first_tokens[computed].tolist()) / flops.training_flops(
             config, *self.tokens[computed].tolist())
         steady_seconds = result["train_seconds"] - self.first_seconds
-        devices = len(trainer.strategy.gpus()) * trainer.strategy.world_size if self.device.type == "cuda" else 1
+        strategy = trainer.strategy
+        devices = len(strategy.gpus_in_use()) * strategy.world_size if self.device.type == "cuda" else 1
         steady_flops = model_flops * steady_share / steady_seconds if steady_seconds > 0 else None
         # The FLOPs the real tokens need, each text at its own length: padding is work no user wants.
         real_share = flops.training_flops(config, *(result[name] for name in results.REAL_COUNTS)) / model_flops

@@ -145,7 +145,7 @@ def report(trainer, result, metrics):
     if "peak_memory_beyond_model_state_mb" in result:
         offloaded = result["model_state_bytes_by_device"].get("cpu", 0)
         bucket = result.get("reduce_bucket_bytes")
-        print(f"peak GPU memory beyond the model state on the GPU (activations, buffers"
+        print("peak GPU memory beyond the model state on the GPU (activations, buffers"
               + (f", DeepSpeed's reduce bucket {bucket / 2**20:.0f} MB" if bucket else "")
               + f"): {result['peak_memory_beyond_model_state_mb']:.0f} MB"
               + (f"; model state offloaded to CPU memory: {offloaded / 2**20:.2f} MB" if offloaded else ""))

@@ -457,10 +457,10 @@ def test_without_a_gpu_the_runner_trains_the_tiny_model_unless_told_otherwise(mo
     """Eleven rows of the real BERT on a laptop's CPU take hours: without GPUs and without --model the
     runner picks the tiny model and says why; a --model given, or GPUs, keep the scripts' choice."""
     monkeypatch.setattr(models, "resolve_model", lambda choice: "hub-model" if choice == "auto" else choice)
-    model, note = provenance.resolve_model(None, gpus=0)
+    model, note = provenance.choose_model(None, gpus=0)
     assert model == "tiny" and "no GPU" in note
-    assert provenance.resolve_model(None, gpus=1) == ("hub-model", None)
-    assert provenance.resolve_model("auto", gpus=0) == ("hub-model", None)
+    assert provenance.choose_model(None, gpus=1) == ("hub-model", None)
+    assert provenance.choose_model("auto", gpus=0) == ("hub-model", None)
 
 
 def test_the_header_versions_each_library_as_the_rows_import_it(monkeypatch):

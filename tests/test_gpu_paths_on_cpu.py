@@ -162,12 +162,13 @@ def test_dataparallel_checkpoint_saves_and_restores_every_gpus_random_state(monk
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, gpu: restored.__setitem__(gpu, state))
 
     strategy = dataparallel_script.DataParallelStrategy(torch.device("cuda", 2), gpu_ids=[2, 0])
-    torch.save(checkpoints.random_states(strategy.gpus()), tmp_path / "states.pt")
+    torch.save(checkpoints.random_states(strategy.gpus_in_use()), tmp_path / "states.pt")
     checkpoints.set_random_states(torch.load(tmp_path / "states.pt", weights_only=True))
     assert restored.keys() == {2, 0}
     assert all(torch.equal(restored[gpu], generators[gpu]) for gpu in (2, 0))
     # One process per GPU (DDP and the rest): its own GPU's generator only.
-    assert common.Strategy(torch.device("cuda", 1)).gpus() == [1] and common.Strategy(torch.device("cpu")).gpus() == []
+    assert common.Strategy(torch.device("cuda", 1)).gpus_in_use() == [1]
+    assert common.Strategy(torch.device("cpu")).gpus_in_use() == []
 
 
 def test_fsdp2_offload_joins_a_group_that_carries_cpu_tensors_too():
