@@ -120,7 +120,7 @@ def main():
 
         data = common.load_data_and_model(args, strategy)
         model = data.model
-        if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
+        if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
             model.compile(**models.compile_options(args, strategy))
 
         # [data] The loaders are sharded as in the DDP script, by this process's index, not by prepare():

@@ -61,7 +61,7 @@ def main():
 
         data = common.load_data_and_model(args, strategy)
         model = data.model.to(device)
-        if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
+        if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
             model.compile(**models.compile_options(args, strategy))
         # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
         #    gradients during backward(), overlapping the communication with the computation.

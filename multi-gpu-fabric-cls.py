@@ -90,7 +90,7 @@ def main():
 
         data = common.load_data_and_model(args, strategy)
         model = data.model
-        if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
+        if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
             model.compile(**models.compile_options(args, strategy))
 
         # [wrap] Fabric moves the model to this process's device and wraps it: in DDP (which broadcasts

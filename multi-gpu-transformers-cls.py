@@ -91,7 +91,7 @@ def main():
                                                      local_world_size)
 
         data = common.load_data_and_model(args, strategy)
-        if args.compile:  # in place, then wrapped: torch.compile handles wrappers like DDP poorly (torch's docs)
+        if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
             data.model.compile(**models.compile_options(args, strategy))
         training_args.learning_rate = data.lr  # for the Trainer's logs; the optimizer is ours (create_optimizer)
 
