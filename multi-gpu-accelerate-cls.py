@@ -15,7 +15,6 @@ one. The data loaders are sharded as in the DDP script ([data] says why not by A
 Without GPUs the same code runs CPU processes over gloo.
 """
 import contextlib
-import os
 from datetime import timedelta
 
 import accelerate
@@ -32,7 +31,7 @@ class Accelerate(common.Strategy):
 
     def __init__(self, accelerator, launcher, precision):
         # The launchers (accelerate launch, torchrun) tell each process how many share its machine.
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        local_world_size = launch.local_world_size(accelerator.num_processes)
         super().__init__(accelerator.device, accelerator.process_index, accelerator.num_processes, precision,
                          local_world_size)
         self.accelerator, self.launcher = accelerator, launcher
@@ -105,8 +104,7 @@ def main():
 
     # [group] Accelerate joins the launched processes on GPUs by itself, on CPUs only when told cpu=True:
     #    without GPUs, Accelerator() alone leaves each process on its own, training on all the data.
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    on_cpu = machine.resolve_device(args.device, local_rank).type == "cpu"
+    on_cpu = machine.resolve_device(args.device, launch.local_rank()).type == "cpu"
     mixed_precision = {"fp32": "no"}.get(args.precision, args.precision)
     accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision,
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))])

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 import common
-from support import checkpoints, cli, machine
+from support import checkpoints, cli, launch, machine
 
 from . import deepspeed_setup
 
@@ -53,7 +53,7 @@ def resolve_launch(args):
     if "auto" not in (accelerator, args.device) and accelerator != args.device:
         raise cli.UserError(f"--device {args.device} and fabric run --accelerator {accelerator} disagree: give one")
     device = machine.resolve_device(args.device if accelerator == "auto" else accelerator,
-                                    int(os.environ.get("LOCAL_RANK", 0)))
+                                    launch.local_rank())
 
     launched = os.environ.pop("LT_PRECISION", None)
     if launched is not None and launched not in SUITE_PRECISION:
@@ -86,7 +86,7 @@ def fabric_strategy(args):
                 fully_shard(layer, mesh=mesh["data_parallel"])
             fully_shard(model, mesh=mesh["data_parallel"])  # the rest: embeddings, pooler, classifier
             return model
-        return ModelParallelStrategy(shard, data_parallel_size=int(os.environ.get("WORLD_SIZE", 1)),
+        return ModelParallelStrategy(shard, data_parallel_size=launch.world_size(),
                                      tensor_parallel_size=1, timeout=timeout)
     os.environ["DS_ACCELERATOR"] = "cuda"  # DeepSpeed picks its accelerator when first imported
     if importlib.util.find_spec("deepspeed") is None:  # Fabric would import it: say what is missing in one line
@@ -94,7 +94,7 @@ def fabric_strategy(args):
     # ZeRO stage 2 with the suite's reduce bucket (deepspeed_setup says why), the batch sizes the
     # suite's loaders give, and no gradient clipping (no other script clips). Fabric adds the
     # precision section.
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    world_size = launch.world_size()
     config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": deepspeed_setup.REDUCE_BUCKET_ELEMENTS},
               "gradient_clipping": 0.0,
               "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,

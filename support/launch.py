@@ -32,6 +32,22 @@ def launch_environment(how_to_launch):
             int(local["LOCAL_WORLD_SIZE"]))
 
 
+def local_rank():
+    """This process's index on its machine as its launcher set it (0 alone): its GPU, before a library
+    has joined the processes."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def world_size():
+    """The job's processes as the launcher set them (1 alone)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_world_size(default):
+    """The processes on this machine as the launcher set them, else `default`."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
 def launched():
     """Whether a launcher (torchrun, the legacy or deepspeed launcher) or srun's tasks started this
     process, rather than plain python."""
