@@ -191,7 +191,7 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--variant", "mine"], "error: --variant 'mine': write NAME=STRATEGY:\"OPTIONS\""),
     (["--strategy-args", "zero=--zero-stage 3"], "error: --strategy-args 'zero=--zero-stage 3': write STRATEGY="),
     (["--real-size", "--model", "tiny"], "error: --real-size trains --model base-shape, not tiny"),
-    (["--real-size", "--nprocs", "3"], "error: --real-size runs 2 processes per row, and 4 for the sharded ones"),
+    (["--real-size", "--nprocs", "3"], "error: --real-size runs 2 process(es) per row, 2,4 for the sharded ones"),
     (["--max-steps", "0"], "error: --max-steps must be at least 1, got 0"),
     (["--publish", "../x"], "error: --publish ../x: a suffix of lower-case letters, digits and dashes"),
     (["--nnodes", "1,0"], "error: --nnodes takes node counts of at least 1"),

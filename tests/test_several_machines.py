@@ -218,7 +218,7 @@ def test_the_benchmark_job_runs_every_row_across_the_nodes_on_the_single_device_
         # over the thread policy, which would give each node's one process all its cores.
         assert row_log.count("耗时：") == 1 and result["threads_per_process"] == 1
         left = sorted(path.name for path in row_output.iterdir() if not path.name.startswith("hostfile-"))
-        assert left == ["model", "result.json"]  # ZeRO-3's shards too merged into model/ and removed
+        assert left == ["model", "result.json", "tensorboard"]  # ZeRO-3's shards too merged into model/, removed
         if name != "single":  # its batch file's log: the interface of node1's address
             assert f"network: {INTERFACE} (NET_INTERFACE overrides it)" in row_log
     assert "launcher: srun, one task per process" in (output / "horovod.log").read_text(encoding="utf-8")

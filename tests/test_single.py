@@ -67,7 +67,7 @@ def test_single_device_trains_evaluates_saves_and_predicts(first_run):
     # The checkpoint is portable: no DDP "module." prefixes, no temporary folders left behind.
     weights = load_weights(output / "model")
     assert not any(key.startswith("module.") for key in weights)
-    assert sorted(p.name for p in output.iterdir()) == ["dev.txt", "model", "result.json"]
+    assert sorted(p.name for p in output.iterdir()) == ["dev.txt", "model", "result.json", "tensorboard"]
     # ...and it really trained: the weights moved away from the seed's initialisation.
     assert not torch.allclose(initial.classifier.weight, weights["classifier.weight"])
 
