@@ -78,7 +78,8 @@ class TokenCount:
         self.shapes = set()
 
     def add(self, batch):
-        self.sums += count_tokens(batch)
+        counts = count_tokens(batch)  # where the batch is: the Trainer lesson's are on the GPU already
+        self.sums = self.sums.to(counts.device) + counts
         self.shapes.add(tuple(batch["input_ids"].shape))
 
     def totals(self, strategy):
@@ -90,12 +91,14 @@ class TokenCount:
 
 def count_tokens(batch):
     """flops.py's three sums (tokens, sequences, and query-key pairs of attention), first over the real
-    samples at their own lengths, then over what the model computed (padding and repeats included)."""
-    real_lengths = batch["attention_mask"][batch["weight"] > 0].sum(dim=1).double()
+    samples at their own lengths, then over what the model computed (padding and repeats included).
+    Computed where the batch is, without reading anything back: no wait for a GPU."""
+    real = (batch["weight"] > 0).double()
+    real_lengths = batch["attention_mask"].sum(dim=1).double() * real
     sequences, length = batch["input_ids"].shape
-    real = torch.stack([real_lengths.sum(), torch.tensor(float(len(real_lengths))), (real_lengths ** 2).sum()])
-    computed = torch.tensor([sequences * length, sequences, sequences * length ** 2], dtype=torch.float64)
-    return torch.cat([real.cpu(), computed])
+    computed = torch.tensor([sequences * length, sequences, sequences * length ** 2], dtype=torch.float64,
+                            device=real.device)
+    return torch.stack([real_lengths.sum(), real.sum(), (real_lengths ** 2).sum(), *computed])
 
 
 class ModelStateCount(Callback):
