@@ -5,6 +5,12 @@
 #   NET_INTERFACE=ib0 sbatch slurm/torchrun.sbatch # the interface the nodes share (default: the head's)
 #   OUTPUT_DIR=... MASTER_PORT=... SCRIPT=...      # where the model goes, the rendezvous port, the script
 
+# Started by bash on a login node, a batch file has no job, no nodes: say so before making anything.
+if [[ -z $SLURM_JOB_ID ]]; then
+    echo "error: $0 runs as a Slurm job: submit it with \`sbatch $0\` from the repository root" \
+         "(docs/several-machines.md)" >&2
+    exit 2
+fi
 if [[ ! -x .venv/bin/python ]]; then
     echo "error: no .venv in $PWD: make it once on the shared filesystem (./test.sh --quick sets it up)" >&2
     exit 2
@@ -13,6 +19,14 @@ fi
 # --gres, a broken driver) stops in one line instead of training on the CPU for hours. An option
 # --device given to the batch file comes later and wins.
 set -- --device "${DEVICE:-cuda}" "$@"
+# The nodes' shape, for every batch file, in this one place: a process per GPU sbatch gave each node
+# (sbatch --gres gpu:N); GPUS_PER_NODE overrides it (a cluster without gres); a CPU job runs one.
+if [[ -z $GPUS_PER_NODE && ${DEVICE:-cuda} == cuda ]] && ((${SLURM_GPUS_ON_NODE:-0} == 0)); then
+    echo "error: this job was given no GPUs: submit it with sbatch --gres gpu:N (N GPUs per node;" \
+         "GPUS_PER_NODE=N where the cluster has no gres), or with DEVICE=cpu on a CPU cluster" >&2
+    exit 2
+fi
+export GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 # A job that writes checkpoints (--save-steps) also writes one when Slurm signals it (preemption, or the
 # --signal before the time limit), and continues from the last one when it runs again (a requeue, a
 # resubmission); --resume starts at step 0 where there is none yet.

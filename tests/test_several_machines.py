@@ -171,7 +171,6 @@ def submit(batch_file, output_dir, *script_args, env=None, log=None, wait=True):
     job_env = {**{name: value for name, value in os.environ.items() if not name.endswith("_SOCKET_IFNAME")},
                "OUTPUT_DIR": str(output_dir), "GPUS_PER_NODE": "1", "DEVICE": "cpu", **(env or {})}
     job_id = slurm("sbatch", "--parsable", "--output", str(log),
-                   *(["--ntasks-per-node=1"] if batch_file in ("srun", "horovod", "benchmark") else []),
                    f"slurm/{batch_file}.sbatch", *script_args, env=job_env).strip().split(";")[0]
     job = Job(job_id, log)
     if not wait:
@@ -337,10 +336,37 @@ def test_an_interface_a_node_lacks_fails_the_job_in_one_line_before_training(clu
 
 def test_a_batch_file_without_the_venv_says_so_before_asking_slurm_anything(tmp_path):
     """A .venv made on one node's disk, or not yet made: the batch file stops in one line."""
-    process = run(["bash", "-c", f"cd {tmp_path} && source {ROOT / 'slurm' / 'preflight.sh'}"], check=False)
+    process = run(["bash", "-c", f"cd {tmp_path} && source {ROOT / 'slurm' / 'preflight.sh'}"],
+                  env={"SLURM_JOB_ID": "7"}, check=False)
     assert process.returncode == 2
     assert process.stderr.strip() == (f"error: no .venv in {tmp_path}: make it once on the shared filesystem "
                                       "(./test.sh --quick sets it up)")
+
+
+def test_a_batch_file_run_by_bash_outside_slurm_says_to_sbatch_it_and_makes_nothing(tmp_path):
+    """`bash slurm/x.sbatch` on a login node: one line naming sbatch, no output folder left behind."""
+    outside_slurm = {name: value for name, value in os.environ.items() if not name.startswith("SLURM_")}
+    for batch_file in sorted((ROOT / "slurm").glob("*.sbatch")):
+        output_dir = tmp_path / batch_file.stem
+        process = subprocess.run(["bash", f"slurm/{batch_file.name}", "--epochs", "1"], cwd=ROOT, capture_output=True,
+                                 text=True, env={**outside_slurm, "OUTPUT_DIR": str(output_dir)}, timeout=60)
+        assert (process.returncode, process.stderr.splitlines()) == (2, [
+            f"error: slurm/{batch_file.name} runs as a Slurm job: submit it with `sbatch slurm/{batch_file.name}` "
+            "from the repository root (docs/several-machines.md)"]), process.stderr
+        assert not output_dir.exists()
+
+
+def test_a_gpu_job_submitted_without_gpus_says_how_to_ask_for_them_and_makes_nothing(tmp_path):
+    """`sbatch slurm/x.sbatch` without --gres on a GPU cluster: one line, before the nodes are asked anything."""
+    in_a_job = {name: value for name, value in os.environ.items()
+                if not name.startswith("SLURM_") and name not in ("GPUS_PER_NODE", "DEVICE")}
+    process = subprocess.run(["bash", "slurm/benchmark.sbatch"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={**in_a_job, "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(ROOT),
+                                  "OUTPUT_DIR": str(tmp_path / "out")})
+    assert (process.returncode, process.stderr.splitlines()) == (2, [
+        "error: this job was given no GPUs: submit it with sbatch --gres gpu:N (N GPUs per node; GPUS_PER_NODE=N "
+        "where the cluster has no gres), or with DEVICE=cpu on a CPU cluster"]), process.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_wrong_head_address_fails_in_one_line_before_training(cluster, tmp_path):
