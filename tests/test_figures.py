@@ -316,6 +316,29 @@ def test_the_gpu_page_quotes_the_committed_h100_run():
     assert "For 768*s16, expected [s16] to have been codegen-ed" in gpu_rows["ddp+compile"]["reason"]
 
 
+def test_the_gpu_page_reads_mfu_from_the_committed_h100_run():
+    """docs/gpu.md's reading of MFU: the peaks per precision, why fp32 sits at 12%, TF32 at 1.6% and
+    16-bit at 0.1% (the ratios of peaks and steps behind them), and the padding mfu_real leaves out."""
+    run = json.loads((ROOT / "docs" / "results" / "1x-nvidia-h100-80gb-hbm3-base-shape" / "benchmark.json").read_text())
+    gpu_rows = {row["row"]: row for row in run["rows"]}
+    page = words(section((ROOT / "docs" / "gpu.md").read_text(encoding="utf-8"), "## Reading MFU", "## The check"))
+    single, tf32, amp, bf16 = (gpu_rows[name] for name in ("single", "ddp-tf32", "ddp-amp", "ddp-amp-bf16"))
+    peak = {row["compute_precision"]: row["peak_tflops"] for row in gpu_rows.values() if row.get("peak_tflops")}
+    assert peak["bf16"] == peak["fp16"]
+    assert f"(H100: {peak['fp32']:g} TFLOP/s fp32, {peak['tf32']:g} TF32, {peak['bf16']:g} bf16 and fp16)" in page
+
+    def tflops(row):
+        return row["steady_model_flops_per_second"] / 1e12
+    assert f"({single['mfu']:.0%} in fp32)" in page
+    assert (f"TF32's {peak['tf32'] / peak['fp32']:.0f}x higher peak gave {tflops(tf32):.1f} TFLOP/s against "
+            f"`single`'s {tflops(single):.1f}, hence {tf32['mfu']:.1%}") in page
+    slower = amp["steady_step_seconds"] / gpu_rows["ddp"]["steady_step_seconds"]
+    assert f"{amp['mfu']:.1%}" == f"{bf16['mfu']:.1%}"
+    assert f"16-bit's {peak['bf16'] / peak['fp32']:.0f}x, with steps {slower:.0f}x slower, {amp['mfu']:.1%}" in page
+    padding, tokens = single["padded_tokens_per_sample"], single["tokens_per_sample"]
+    assert f"({padding:.1f} tokens per text of {tokens + padding:.1f})" in page
+
+
 def test_the_chinese_section_gives_the_quick_starts_durations():
     """The README's durations are written in its quick start and translated in its 中文 section: the two agree."""
     english = re.findall(r"about (\d+) minutes on 2 cores", words(section(README, "## Quick start", "## Prerequisites")))
