@@ -26,7 +26,11 @@ What is checked, per command:
 4. an option whose help lists choices (`{0,1,2,3}`, click's `[cpu|gpu]`) gets one of them, and an
    option that takes a value gets one; a config file given as a value (`configs/...json`) exists;
 5. a command word that is no launcher is a known tool (pip, git, cd, ...), or, when it looks like a
-   suite file (`x.py`, `x.sh`, a path), that file exists.
+   suite file (`x.py`, `x.sh`, a path), that file exists;
+6. a shell script's options are among its `case` arms (and the options of the Python script it hands
+   "$@" to: gpu-check.sh's are gpu_plan.py's), its first word among its subcommands (cluster.sh up);
+7. sbatch's and srun's own options are in SLURM_OPTIONS, and an sbatch line gives its job GPUs
+   (`--gres gpu:N`) or runs on CPUs (`DEVICE=cpu`): slurm/preflight.sh stops a job without either.
 The fast documented commands also run end to end (test_fast_commands_run): `--list`, and
 `--estimate-memory` with `--model tiny`; documented `--help` calls are covered by the check itself.
 
@@ -260,6 +264,8 @@ def inline_commands(page):
                 plain = any(w.endswith(".py") for w in words)
             elif head in {"run.sh", "test.sh"}:
                 plain = words[0].startswith(("./", ".venv", "/"))
+            elif head in {"sbatch", "srun"}:
+                plain = any(w.endswith((".sbatch", ".py")) for w in words)
             elif head in {"bash", "sh"}:
                 plain = len(words) > 1 and words[1].endswith(".sh")
             else:
@@ -332,7 +338,7 @@ class Use:
     script_args: list = field(default_factory=list)
     launcher: str | None = None     # a key of LAUNCHERS
     launcher_args: list = field(default_factory=list)
-    kind: str = "script"            # script | pytest
+    kind: str = "script"            # script | pytest | shell (a shell script of the suite)
 
 
 def relative(path_word):
@@ -392,10 +398,15 @@ def analyse_simple(command, words, uses, problems):
             analyse_simple(command, ["./" + relative(scripts[0])] + rest[rest.index(scripts[0]) + 1:], uses, problems)
         elif scripts and not suite_file_exists(scripts[0]):
             problems.append(f"{scripts[0]} does not exist")
+        elif scripts and scripts[0].endswith(".sh"):
+            uses.append(Use(command, script=relative(scripts[0]), script_args=rest[rest.index(scripts[0]) + 1:],
+                            kind="shell"))
     elif head == "sbatch":
         analyse_sbatch(command, rest, uses, problems)
     elif head in {"mpirun", "srun"}:
         inner = next((i for i, w in enumerate(rest) if command_word(w) in PYTHONS or w.endswith(".py")), None)
+        if head == "srun":
+            check_slurm_options("srun", rest[:inner], problems)
         if inner is not None:
             analyse_simple(command, rest[inner:], uses, problems)
     elif head in NON_SUITE:
@@ -408,6 +419,8 @@ def analyse_simple(command, words, uses, problems):
             problems.append(f"{head} does not exist")
         elif head.endswith(".py"):
             uses.append(Use(command, script=relative(head), script_args=rest))
+        elif head.endswith(".sh"):
+            uses.append(Use(command, script=relative(head), script_args=rest, kind="shell"))
     else:
         problems.append(f"unknown command {head!r}: not a suite script nor a known tool "
                         f"(an external tool? add it to NON_SUITE in tests/test_docs.py)")
@@ -423,6 +436,13 @@ def analyse_sbatch(command, words, uses, problems):
     if not suite_file_exists(batch_file):
         problems.append(f"{batch_file} does not exist")
         return
+    own = words[:words.index(batch_file)]
+    check_slurm_options("sbatch", own, problems)
+    # slurm/preflight.sh stops a job that is given no GPUs unless it runs on CPUs or is told the count.
+    if not (any(w.startswith(("--gres", "--gpus", "-G")) for w in own)
+            or re.search(r"(?:^|\s)(DEVICE=cpu|GPUS_PER_NODE=)", command.text)):
+        problems.append("a job given no GPUs stops at once (slurm/preflight.sh): add --gres gpu:N, "
+                        "or DEVICE=cpu on a CPU cluster")
     chosen = re.search(r"(?:^|\s)SCRIPT=(\S+)", command.text)
     default = re.compile(r"^SCRIPT=(?:\$\{SCRIPT:-)?([\w.-]+\.py)", re.M)
     named = default.search((ROOT / relative(batch_file)).read_text(encoding="utf-8"))
@@ -484,6 +504,49 @@ def analyse_launcher(command, launcher, words, uses, problems):
             return
     problems.append(f"{launcher} is given no script (x.py) to run")
     uses.append(Use(command, launcher=launcher, launcher_args=words))
+
+
+# sbatch's and srun's options the pages may use (their --help needs a cluster's configuration, so they
+# are listed here, as their manual pages spell them): an option outside this list is reported.
+SLURM_OPTIONS = {"-A", "--account", "-c", "--cpus-per-task", "-C", "--constraint", "-D", "--chdir", "-e", "--error",
+                 "--exclusive", "--export", "-G", "--gpus", "--gpus-per-node", "--gpus-per-task", "--gres", "-J",
+                 "--job-name", "-K", "--kill-on-bad-exit", "--mem", "--mem-per-cpu", "-N", "--nodes", "-n", "--ntasks",
+                 "--ntasks-per-node", "-o", "--output", "--overlap", "-p", "--partition", "--parsable", "--pty", "-q",
+                 "--qos", "--requeue", "--signal", "-t", "--time", "--wait", "-w", "--nodelist"}
+
+
+def check_slurm_options(tool, words, problems):
+    for word in words:
+        name = word.split("=")[0]
+        if OPTION.match(word) and name not in SLURM_OPTIONS and (name.startswith("--") or name[:2] not in SLURM_OPTIONS):
+            problems.append(f"option {name} is not an option of {tool} (or not in SLURM_OPTIONS, tests/test_docs.py)")
+
+
+def shell_script(path):
+    """What a shell script of the suite takes: (its options, its first words if it has subcommands, the
+    Python script of the suite it hands "$@" to). Read from its `case` arms (`--out)`, `up|down)`) and
+    its `[ "$1" = "--quick" ]` tests."""
+    text = (ROOT / path).read_text(encoding="utf-8")
+    options, subcommands = set(re.findall(r'= "(--?[\w-]+)"', text)), set()
+    for block in re.findall(r"^\s*case (.*?) in\n(.*?)^\s*esac", text, re.M | re.S):
+        arms = [arm for line in re.findall(r"^\s*([^\s()#]+)\)", block[1], re.M) for arm in line.split("|")]
+        options.update(arm.removesuffix("=*") for arm in arms if arm.startswith("-"))
+        if re.fullmatch(r'"?\$\{?1(:-)?\}?"?', block[0]):
+            subcommands.update(arm for arm in arms if not arm.startswith(("-", "*", '"')))
+    delegate = re.search(r'(scripts/[\w-]+\.py)"? "\$@"', text)
+    return options, subcommands, delegate[1] if delegate else None
+
+
+def check_shell_script(use, helps, problems):
+    options, subcommands, delegate = shell_script(use.script)
+    if delegate and helps[delegate].ok:
+        options |= set(helps[delegate].options)
+    args = use.script_args[:use.script_args.index("--")] if "--" in use.script_args else use.script_args
+    for word in args:
+        if OPTION.match(word) and word.split("=")[0] not in options:
+            problems.append(f"option {word.split('=')[0]} is not an option of {use.script}")
+    if subcommands and args[:1] and not OPTION.match(args[0]) and args[0] not in subcommands:
+        problems.append(f"{use.script} takes one of {'|'.join(sorted(subcommands))}, not {args[0]}")
 
 
 # ----------------------------------------------------------------------------- --help, parsed
@@ -813,6 +876,9 @@ def check_pytest(use, problems):
 
 def check_use(use, helps, problems):
     """Script existence is checked while reading the command; here its options and values."""
+    if use.kind == "shell":
+        check_shell_script(use, helps, problems)
+        return
     if use.kind == "pytest" or use.script is None:
         if use.kind == "pytest":
             check_pytest(use, problems)
@@ -838,6 +904,8 @@ def help_keys(uses):
     for use in uses:
         if use.kind == "script" and use.script and use.script.endswith(".py"):
             keys.add(use.script)
+        if use.kind == "shell" and shell_script(use.script)[2]:
+            keys.add(shell_script(use.script)[2])
         if use.script == "benchmark.py":
             keys.add("benchmark.py --list")
             keys.update(strategies().values())
@@ -855,7 +923,7 @@ def check_commands(commands, helps):
     report = []
     for command, uses, problems in analysed:
         problems = list(problems)
-        for use in uses if not command.inline else []:
+        for use in uses:
             check_use(use, helps, problems)
         report += [f"{command.where}: `{command.text}` — {problem}" for problem in dict.fromkeys(problems)]
     return report
@@ -867,8 +935,6 @@ def check_launcher_uses(uses, launcher, helps):
         return [f"{launcher} --help failed: {launcher_help.text}"]
     report = []
     for use in uses:
-        if use.command.inline:
-            continue
         problems = []
         check_options(use.launcher_args, launcher_help, launcher, problems)
         report += [f"{use.command.where}: `{use.command.text}` — {problem}" for problem in problems]
@@ -919,7 +985,7 @@ def commands():
 def helps(tmp_path_factory, commands):
     helps = Helps(tmp_path_factory.mktemp("helps"))
     # Start every --help the pages will need at once, while the pages are being read...
-    uses = [use for command in commands if not command.inline for use in analyse(command)[0]]
+    uses = [use for command in commands for use in analyse(command)[0]]
     # ... and those the checker's own tests below need.
     sample = {"predict.py", "single-gpu-cls.py", "multi-gpu-deepspeed-cls.py", "benchmark.py", "benchmark.py --list",
               "torchrun", *strategies().values()}
@@ -958,8 +1024,7 @@ def test_documented_commands(commands, helps):
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_launcher_options(launcher, commands, helps):
-    uses = [use for command in commands if not command.inline
-            for use in analyse(command)[0] if use.launcher == launcher]
+    uses = [use for command in commands for use in analyse(command)[0] if use.launcher == launcher]
     if not uses:
         return                      # the pages do not use it
     require(LAUNCHERS[launcher][1])
@@ -1106,13 +1171,16 @@ deepspeed --num_gpus 2 multi-gpu-deepspeed-cls.py --zero-stage 4 \\
 cd /tmp && frobnicate --now
 SCRIPT=multi-gpu-fsdp-cls.py sbatch --nodes 4 slurm/torchrun.sbatch --zero-stage 3
 sbatch slurm/no-such.sbatch
+scripts/gpu-check.sh --budget 300 --no-such-check
+sudo scripts/cluster.sh upp
+sbatch --gress gpu:8 slurm/benchmark.sbatch
 ```
 
 ```text
 python predict.py --not-checked   (output, not read)
 ```
 
-Launch it with `python single-gpu-cls.py --not-checked-inline` or `torchrun no-such-inline.py`. See [the tests](tests/no-such-file.md),
+Launch it with `python single-gpu-cls.py --no-such-inline-option` or `torchrun no-such-inline.py`. See [the tests](tests/no-such-file.md),
 [a section](#no-such-heading), [this one](#sample) and [the README](README.md#no-such-anchor).
 """
 
@@ -1121,7 +1189,7 @@ def test_checker_reports_bad_option_and_missing_script(helps):
     sample = ROOT / "sample-doc-for-test.md"  # a path under ROOT, as the pages are; never written
     page = read_page(sample, SAMPLE)
     commands = page_commands(page)
-    assert [c.line for c in commands] == [4, 5, 6, 7, 9, 10, 11, 18, 18]
+    assert [c.line for c in commands] == [4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 21, 21]
     report = check_commands(commands, helps)
     text = "\n".join(report)
     assert "sample-doc-for-test.md:4: `python predict.py" in text
@@ -1134,8 +1202,14 @@ def test_checker_reports_bad_option_and_missing_script(helps):
     assert "unknown command 'frobnicate'" in text
     assert "option --zero-stage is not an option of multi-gpu-fsdp-cls.py" in text  # SCRIPT's, not the default's
     assert "slurm/no-such.sbatch does not exist" in text
-    assert "sample-doc-for-test.md:18: `torchrun no-such-inline.py` — script no-such-inline.py does not exist" in text
-    assert "--not-checked-inline" not in text     # inline spans: the script must exist, options are not read
+    assert "sample-doc-for-test.md:10: `SCRIPT=multi-gpu-fsdp-cls.py sbatch --nodes 4 slurm/torchrun.sbatch --zero-stage 3` — " \
+           "a job given no GPUs stops at once (slurm/preflight.sh)" in text
+    assert "option --no-such-check is not an option of scripts/gpu-check.sh" in text
+    assert "option --budget" not in text     # gpu-check.sh hands its options to scripts/gpu_plan.py, which takes it
+    assert "scripts/cluster.sh takes one of down|exec|up, not upp" in text
+    assert "option --gress is not an option of sbatch" in text
+    assert "sample-doc-for-test.md:21: `torchrun no-such-inline.py` — script no-such-inline.py does not exist" in text
+    assert "option --no-such-inline-option is not an option of single-gpu-cls.py" in text  # inline spans too
     assert "--not-checked" not in text
     links = "\n".join(check_links(page))
     assert "tests/no-such-file.md does not exist" in links
