@@ -1,14 +1,15 @@
 # Sourced by every batch file of slurm/ before it starts anything: the environment, the device, the
 # head node and its port, the network interface, and the one thing a cluster must give: every node
 # sees the same files.
-#   DEVICE=cpu sbatch slurm/torchrun.sbatch        # a CPU cluster (default: cuda, one GPU per process)
-#   NET_INTERFACE=ib0 sbatch slurm/torchrun.sbatch # the interface the nodes share (default: the head's)
+#   sbatch --gres gpu:8 slurm/torchrun.sbatch      # GPU nodes: a process per GPU on each (8 here)
+#   DEVICE=cpu sbatch slurm/torchrun.sbatch        # a CPU cluster: one process per node (GPUS_PER_NODE=N: N)
+#   NET_INTERFACE=ib0 sbatch ... slurm/torchrun.sbatch # the interface the nodes share (default: the head's)
 #   OUTPUT_DIR=... MASTER_PORT=... SCRIPT=...      # where the model goes, the rendezvous port, the script
 
 # Started by bash on a login node, a batch file has no job, no nodes: say so before making anything.
 if [[ -z $SLURM_JOB_ID ]]; then
-    echo "error: $0 runs as a Slurm job: submit it with \`sbatch $0\` from the repository root" \
-         "(docs/several-machines.md)" >&2
+    echo "error: $0 runs as a Slurm job: submit it from the repository root with \`sbatch --gres gpu:N $0\`" \
+         "(N GPUs per node; on CPU nodes \`DEVICE=cpu sbatch $0\`)" >&2
     exit 2
 fi
 if [[ ! -x .venv/bin/python ]]; then

@@ -351,8 +351,9 @@ def test_a_batch_file_run_by_bash_outside_slurm_says_to_sbatch_it_and_makes_noth
         process = subprocess.run(["bash", f"slurm/{batch_file.name}", "--epochs", "1"], cwd=ROOT, capture_output=True,
                                  text=True, env={**outside_slurm, "OUTPUT_DIR": str(output_dir)}, timeout=60)
         assert (process.returncode, process.stderr.splitlines()) == (2, [
-            f"error: slurm/{batch_file.name} runs as a Slurm job: submit it with `sbatch slurm/{batch_file.name}` "
-            "from the repository root (docs/several-machines.md)"]), process.stderr
+            f"error: slurm/{batch_file.name} runs as a Slurm job: submit it from the repository root with "
+            f"`sbatch --gres gpu:N slurm/{batch_file.name}` (N GPUs per node; on CPU nodes "
+            f"`DEVICE=cpu sbatch slurm/{batch_file.name}`)"]), process.stderr
         assert not output_dir.exists()
 
 
