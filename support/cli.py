@@ -200,8 +200,7 @@ def check_args(args):
     for name in ("num_workers", "eval_steps"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
-    if args.max_seq_len < MIN_SEQ_LEN:
-        raise UserError(f"--max-seq-len must be at least {MIN_SEQ_LEN} ([CLS], a token, [SEP]), got {args.max_seq_len}")
+    check_max_seq_len(args.max_seq_len)
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise UserError(f"--output-dir {args.output_dir} is a file, not a folder")
     if args.threads is not None and args.threads < 1:
@@ -216,6 +215,15 @@ def check_args(args):
     if writes and current_rank() == 0 and getattr(args, "node_rank", 0) == 0:  # the process that writes the results
         claim_output_dir(Path(args.output_dir))
     return args
+
+
+def check_max_seq_len(max_seq_len, max_positions=None):
+    """--max-seq-len: room for one token of text and, once the model is known, within its positions (a
+    longer batch fails deep in its embeddings)."""
+    if max_seq_len < MIN_SEQ_LEN:
+        raise UserError(f"--max-seq-len must be at least {MIN_SEQ_LEN} ([CLS], a token, [SEP]), got {max_seq_len}")
+    if max_positions is not None and max_seq_len > max_positions:
+        raise UserError(f"--max-seq-len {max_seq_len} exceeds the model's {max_positions} positions")
 
 
 # ----------------------------------------------------------------------------- one run per output folder
