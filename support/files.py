@@ -57,8 +57,8 @@ def is_disk_full(error, folder):
 
 def existing_parent(path):
     """`path`, or its nearest folder that exists: where a disk's free space can be read."""
-    path = Path(path).resolve()
-    while not path.exists():
+    path = Path(os.path.realpath(path))  # os.path's forms, which Path's raise in: a loop of links, a name too long
+    while not os.path.exists(path):
         path = path.parent
     return path
 

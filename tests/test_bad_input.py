@@ -224,6 +224,40 @@ def test_a_read_only_output_dir_is_refused_before_training(tmp_path):
                                                                           "writable: Read-only file system")
 
 
+def link(path, target):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target)
+    return path
+
+
+def folder_holding(path, name, make):
+    """`path`, a new folder, with `make(path / name)` done in it."""
+    path.mkdir()
+    make(path / name)
+    return path
+
+
+@pytest.mark.parametrize("output_dir, fragment", [
+    (lambda tmp: "", "--output-dir is empty"),  # else the current folder's model/ and result.json are replaced
+    (lambda tmp: link(tmp / "loop", "loop"), "loop cannot be used: Too many levels of symbolic links"),
+    (lambda tmp: link(tmp / "dangling", "nowhere") / "out", "dangling is a link to nowhere, which does not exist"),
+    (lambda tmp: tmp / ("名" * 100) / "out", "is 300 bytes, its filesystem holds at most 255"),
+    (lambda tmp: folder_holding(tmp / "out", ".lock", lambda path: path.mkdir()), "holds a .lock that is not a file"),
+    (lambda tmp: folder_holding(tmp / "out", "model", lambda path: path.symlink_to(path)), "holds links (model)"),
+])
+def test_an_output_dir_no_run_can_use_is_named_before_any_work(tmp_path, output_dir, fragment):
+    assert_clean_error(train("--output-dir", output_dir(tmp_path), data="no-such-file.json"), fragment)
+
+
+def test_a_link_in_the_output_dir_is_not_written_through(tmp_path):
+    """A run writes only inside its folder: a .lock (or trace.json, model/, ...) that links elsewhere is refused."""
+    outside = tmp_path / "someone-elses-file"
+    outside.write_text("precious", encoding="utf-8")
+    output_dir = folder_holding(tmp_path / "out", ".lock", lambda path: path.symlink_to(outside))
+    assert_clean_error(train("--output-dir", output_dir, data="no-such-file.json"), "holds links (.lock)")
+    assert outside.read_text(encoding="utf-8") == "precious"
+
+
 def test_a_process_alone_in_its_world_is_rank_0_whatever_rank_it_is_given(tmp_path, monkeypatch):
     """A RANK left in the environment of one process: no rank 0 would lock the folder or speak for it."""
     import fcntl
