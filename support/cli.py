@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from .errors import UserError, describe, first_cause
-from .files import existing_parent
+from .files import clear_dead_staging, existing_parent
 from .launch import current_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,7 +262,8 @@ def check_output_dir(name):
 
 
 def claim_output_dir(path):
-    """Make --output-dir this run's, before any work: writable, free of links, and used by no other run."""
+    """Make --output-dir this run's, before any work: writable, free of links, used by no other run; then
+    clear what saves of runs killed mid-write left staged in it."""
     global output_lock
     if output_lock is not None and Path(output_lock[0].name).parent == path:
         return
@@ -277,6 +278,7 @@ def claim_output_dir(path):
     except OSError as error:  # read-only, not ours, or full: found now, not after the training
         raise UserError(f"--output-dir {path} is not writable: {error.strerror}") from None
     output_lock = lock, created
+    clear_dead_staging(path)
 
 
 def lock_output_dir(path):
