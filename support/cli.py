@@ -242,11 +242,7 @@ def check_output_dir(name):
     line now rather than a traceback at the first write, after the training."""
     if not name:  # Path("") is the current folder, whose model/ and result.json would be replaced unasked
         raise UserError("--output-dir is empty: name a folder ('.' for the current one)")
-    longest = max(Path(name).parts, key=lambda part: len(os.fsencode(part)))
-    limit = os.pathconf(existing_parent(name), "PC_NAME_MAX")
-    if len(os.fsencode(longest)) > limit:
-        raise UserError(f"--output-dir {name}: the name {longest[:16]}... is {len(os.fsencode(longest))} bytes, "
-                        f"its filesystem holds at most {limit}")
+    check_name_lengths(name)
     try:
         is_folder = stat.S_ISDIR(os.stat(name).st_mode)
     except FileNotFoundError:  # the run makes it, unless on the way is a link to what does not exist
@@ -259,6 +255,21 @@ def check_output_dir(name):
         raise UserError(f"--output-dir {name} cannot be used: {error.strerror}") from None
     if not is_folder:
         raise UserError(f"--output-dir {name} is a file, not a folder")
+
+
+def check_name_lengths(name):
+    """Each name in the folder's path fits its filesystem, and the whole path leaves room below it for the
+    run's files (a name of the longest kind): else mkdir, or the first save after the training, fails."""
+    folder = existing_parent(name)
+    longest = max(Path(name).parts, key=lambda part: len(os.fsencode(part)))
+    name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+    if len(os.fsencode(longest)) > name_max:
+        raise UserError(f"--output-dir {name}: the name {longest[:16]}... is {len(os.fsencode(longest))} bytes, "
+                        f"its filesystem holds at most {name_max}")
+    length = len(os.fsencode(os.path.abspath(name)))
+    if length + name_max >= path_max:
+        raise UserError(f"--output-dir {name[:40]}... is {length} bytes long, too long for the run's files below "
+                        f"it: paths on its filesystem hold at most {path_max - 1} bytes")
 
 
 def claim_output_dir(path):

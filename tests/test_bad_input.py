@@ -242,6 +242,7 @@ def folder_holding(path, name, make):
     (lambda tmp: link(tmp / "loop", "loop"), "loop cannot be used: Too many levels of symbolic links"),
     (lambda tmp: link(tmp / "dangling", "nowhere") / "out", "dangling is a link to nowhere, which does not exist"),
     (lambda tmp: tmp / ("名" * 100) / "out", "is 300 bytes, its filesystem holds at most 255"),
+    (lambda tmp: tmp.joinpath(*["d" * 254] * 15), "bytes long, too long for the run's files below it"),
     (lambda tmp: folder_holding(tmp / "out", ".lock", lambda path: path.mkdir()), "holds a .lock that is not a file"),
     (lambda tmp: folder_holding(tmp / "out", "model", lambda path: path.symlink_to(path)), "holds links (model)"),
 ])
