@@ -67,12 +67,11 @@ def main():
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("texts", nargs="*", help="texts to classify")
     args = parser.parse_args()
-    if args.max_seq_len < cli.MIN_SEQ_LEN:
-        raise cli.UserError(f"--max-seq-len must be at least {cli.MIN_SEQ_LEN} ([CLS], a token, [SEP]), "
-                            f"got {args.max_seq_len}")
+    cli.check_max_seq_len(args.max_seq_len)
 
     texts = read_texts(args)
     tokenizer, model = load_checkpoint(args.checkpoint)
+    cli.check_max_seq_len(args.max_seq_len, model.config.max_position_embeddings)
     # As in training: the spaces of word-segmented text removed.
     normalized = [common.normalize_text(text) for text in texts]
     for text, (label, probability) in zip(texts, predict(tokenizer, model, normalized, args.max_seq_len)):

@@ -152,7 +152,7 @@ def staged_checkpoint(path, state, is_main, barrier):
     first; after the block it adds `state` and swaps the folder in whole, so an interrupted save
     leaves the previous checkpoint whole, and a failed one removes its staging (rank 0).
     `barrier()` waits for every process."""
-    staging = path.with_name(f".{path.name}.staging")  # the same name in every process
+    staging = path.with_name(f".{path.name}.staging")  # the same name in every process (files.STAGED_NAME)
     if is_main:
         shutil.rmtree(staging, ignore_errors=True)
     barrier()

@@ -13,12 +13,14 @@ import math
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 import traceback
 from pathlib import Path
 
 from .errors import UserError, describe, first_cause
+from .files import clear_dead_staging, existing_parent
 from .launch import current_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,10 +202,8 @@ def check_args(args):
     for name in ("num_workers", "eval_steps"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
-    if args.max_seq_len < MIN_SEQ_LEN:
-        raise UserError(f"--max-seq-len must be at least {MIN_SEQ_LEN} ([CLS], a token, [SEP]), got {args.max_seq_len}")
-    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
-        raise UserError(f"--output-dir {args.output_dir} is a file, not a folder")
+    check_max_seq_len(args.max_seq_len)
+    check_output_dir(args.output_dir)
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1, got {args.threads}")
     if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
@@ -218,43 +218,109 @@ def check_args(args):
     return args
 
 
-# ----------------------------------------------------------------------------- one run per output folder
+def check_max_seq_len(max_seq_len, max_positions=None):
+    """--max-seq-len: room for one token of text and, once the model is known, within its positions (a
+    longer batch fails deep in its embeddings)."""
+    if max_seq_len < MIN_SEQ_LEN:
+        raise UserError(f"--max-seq-len must be at least {MIN_SEQ_LEN} ([CLS], a token, [SEP]), got {max_seq_len}")
+    if max_positions is not None and max_seq_len > max_positions:
+        raise UserError(f"--max-seq-len {max_seq_len} exceeds the model's {max_positions} positions")
 
-# The run writing --output-dir holds an OS lock on this file in it: a second run into the folder is
-# refused, and a run that crashed leaves no stale lock (the OS drops it with the process).
+
+# ----------------------------------------------------------------------------- the run's folder
+
+# A run writes only inside --output-dir, and follows no link there: the folder may be a link the user
+# made, but a link in it (a model/ or .lock pointing elsewhere, or to itself) is refused, not written
+# through. The run writing the folder holds an OS lock on this file in it: a second run into the folder
+# is refused, and a run that crashed leaves no stale lock (the OS drops it with the process).
 LOCK_FILE = ".lock"
 output_lock = None  # (the open lock file, whether this run created the folder) while this process holds it
 
 
+def check_output_dir(name):
+    """In every process, before any work: --output-dir names a folder a run can make or use, else one
+    line now rather than a traceback at the first write, after the training."""
+    if not name:  # Path("") is the current folder, whose model/ and result.json would be replaced unasked
+        raise UserError("--output-dir is empty: name a folder ('.' for the current one)")
+    check_name_lengths(name)
+    try:
+        is_folder = stat.S_ISDIR(os.stat(name).st_mode)
+    except FileNotFoundError:  # the run makes it, unless on the way is a link to what does not exist
+        for link in (path for path in (Path(name), *Path(name).parents) if os.path.islink(path)):
+            if not os.path.exists(link):
+                raise UserError(f"--output-dir {name}: {link} is a link to {os.readlink(link)}, which does not "
+                                "exist") from None
+        return
+    except OSError as error:  # a loop of links, a file on the way, no permission
+        raise UserError(f"--output-dir {name} cannot be used: {error.strerror}") from None
+    if not is_folder:
+        raise UserError(f"--output-dir {name} is a file, not a folder")
+
+
+def check_name_lengths(name):
+    """Each name in the folder's path fits its filesystem, and the whole path leaves room below it for the
+    run's files (a name of the longest kind): else mkdir, or the first save after the training, fails."""
+    folder = existing_parent(name)
+    longest = max(Path(name).parts, key=lambda part: len(os.fsencode(part)))
+    name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+    if len(os.fsencode(longest)) > name_max:
+        raise UserError(f"--output-dir {name}: the name {longest[:16]}... is {len(os.fsencode(longest))} bytes, "
+                        f"its filesystem holds at most {name_max}")
+    length = len(os.fsencode(os.path.abspath(name)))
+    if length + name_max >= path_max:
+        raise UserError(f"--output-dir {name[:40]}... is {length} bytes long, too long for the run's files below "
+                        f"it: paths on its filesystem hold at most {path_max - 1} bytes")
+
+
 def claim_output_dir(path):
-    """Make --output-dir this run's, before any work: writable, and used by no other run."""
+    """Make --output-dir this run's, before any work: writable, free of links, used by no other run; then
+    clear what saves of runs killed mid-write left staged in it."""
     global output_lock
     if output_lock is not None and Path(output_lock[0].name).parent == path:
         return
     created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        while True:
-            lock = open(path / LOCK_FILE, "a+", encoding="utf-8")
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.seek(0)
-                holder = lock.read().strip() or "another run"
-                lock.close()
-                raise UserError(f"--output-dir {path} is in use by {holder}: wait for that run to end, or "
-                                "choose another --output-dir") from None
-            # The holder before us may have removed the file between our open and our lock: lock anew.
-            current = path / LOCK_FILE
-            if current.exists() and os.path.samestat(os.fstat(lock.fileno()), current.stat()):
-                break
-            lock.close()
-        lock.truncate(0)
-        lock.write(f"the run of pid {os.getpid()} on {socket.gethostname()}")
-        lock.flush()
+        links = sorted(entry.name for entry in os.scandir(path) if entry.is_symlink())
+        if links:
+            raise UserError(f"--output-dir {path} holds links ({', '.join(links)}): a run writes only inside its "
+                            "folder and follows no link there: remove them, or choose another --output-dir")
+        lock = lock_output_dir(path)
     except OSError as error:  # read-only, not ours, or full: found now, not after the training
         raise UserError(f"--output-dir {path} is not writable: {error.strerror}") from None
     output_lock = lock, created
+    clear_dead_staging(path)
+
+
+def lock_output_dir(path):
+    """The lock file of `path`, open and locked by this process, or one line naming the run holding it."""
+    lock_path = path / LOCK_FILE
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.lstat(lock_path).st_mode):
+            raise UserError(f"--output-dir {path} holds a {LOCK_FILE} that is not a file (the lock a run takes "
+                            "there): remove it")
+    while True:  # O_NOFOLLOW: a .lock that became a link since the check above is refused, not written through
+        lock = open(lock_path, "a+", encoding="utf-8", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW))
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another run"
+            lock.close()
+            raise UserError(f"--output-dir {path} is in use by {holder}: wait for that run to end, or "
+                            "choose another --output-dir") from None
+        except OSError as error:
+            lock.close()
+            raise UserError(f"--output-dir {path} cannot be locked ({error.strerror}): choose a folder on a "
+                            "filesystem with file locks") from None
+        # The holder before us may have removed the file between our open and our lock: lock anew.
+        if lock_path.exists() and os.path.samestat(os.fstat(lock.fileno()), lock_path.stat()):
+            break
+        lock.close()
+    lock.truncate(0)
+    lock.write(f"the run of pid {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
+    return lock
 
 
 def release_output_dir():

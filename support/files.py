@@ -4,6 +4,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -16,12 +17,42 @@ def staged_dir(path):
     fails (or is interrupted) it is removed, and `path` keeps its previous contents."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staging = staged_name(path, "tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     with removed_on_failure(staging):
         yield staging
     replace_dir(staging, path)
+
+
+# What a save writes beside its target, named with its process id: .NAME.tmp-PID (the new contents) and
+# .NAME.old-PID (the old, being removed); .NAME.staging is a collective save's, named alike in every process.
+STAGED_NAME = re.compile(r"\.(.+)\.(?:(?:tmp|old)-(?P<pid>\d+)|staging)")
+
+
+def staged_name(path, role):
+    """Where this process stages `path`'s new contents (role "tmp") or its old ones (role "old")."""
+    return path.with_name(f".{path.name}.{role}-{os.getpid()}")
+
+
+def clear_dead_staging(folder):
+    """Remove what saves left staged in `folder` when their process was killed mid-write (SIGKILL, a
+    power cut): staging named with a process that no longer runs on this machine, and a collective save's,
+    which only the run holding the folder writes. Its caller holds the folder's lock."""
+    for entry in Path(folder).iterdir():
+        staged = STAGED_NAME.fullmatch(entry.name)
+        if staged and not (staged["pid"] and process_runs(int(staged["pid"]))):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+
+def process_runs(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: delivers nothing, only checks
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 # torch.save on a full disk fails with "unexpected pos ..." and no errno: a failed write that leaves
@@ -57,15 +88,15 @@ def is_disk_full(error, folder):
 
 def existing_parent(path):
     """`path`, or its nearest folder that exists: where a disk's free space can be read."""
-    path = Path(path).resolve()
-    while not path.exists():
+    path = Path(os.path.realpath(path))  # os.path's forms, which Path's raise in: a loop of links, a name too long
+    while not os.path.exists(path):
         path = path.parent
     return path
 
 
 def replace_dir(staging, path):
     """Put the complete folder `staging` in the place of `path`, whose old contents are removed."""
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    old = staged_name(path, "old")
     if path.exists():
         path.rename(old)
     staging.rename(path)
@@ -89,6 +120,6 @@ def write_json(path, data):
     """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staging = staged_name(path, "tmp")
     staging.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
     os.replace(staging, path)

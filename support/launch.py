@@ -7,10 +7,18 @@ import socket
 from .errors import UserError
 
 
+# Each launcher's rank and world size: torchrun's (and the launchers built on it), Horovod's, Open MPI's,
+# Slurm's srun.
+RANK_VARIABLES = (("RANK", "WORLD_SIZE"), ("HOROVOD_RANK", "HOROVOD_SIZE"),
+                  ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
+
+
 def current_rank():
-    for name in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        if name in os.environ:
-            return int(os.environ[name])
+    """This process's rank: rank 0 speaks for all and writes --output-dir. A process alone in its world
+    is rank 0 whatever rank its environment names: no other process would speak or write for it."""
+    for rank, size in RANK_VARIABLES:
+        if rank in os.environ:
+            return int(os.environ[rank]) if int(os.environ.get(size, 1)) > 1 else 0
     return 0
 
 
@@ -28,8 +36,12 @@ def launch_environment(how_to_launch):
     if missing:
         raise UserError(f"the launcher set RANK and WORLD_SIZE but not {' and '.join(missing)}: set them too "
                         "(this process's index on its machine, and the processes there), as torchrun does")
-    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(local["LOCAL_RANK"]),
-            int(local["LOCAL_WORLD_SIZE"]))
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    index, processes = int(local["LOCAL_RANK"]), int(local["LOCAL_WORLD_SIZE"])
+    if not (0 <= rank < size and 0 <= index < processes):  # else it waits for a rank that never comes
+        raise UserError(f"the launcher set RANK={rank}, WORLD_SIZE={size}, LOCAL_RANK={index}, LOCAL_WORLD_SIZE="
+                        f"{processes}: each rank must be 0 or more and below its size", only_this_rank=True)
+    return rank, size, index, processes
 
 
 def local_rank():

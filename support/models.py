@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
-from .cli import DEFAULT_LR, ROOT
+from .cli import DEFAULT_LR, ROOT, check_max_seq_len
 from .errors import UserError
 from .files import read_json_object
 
@@ -138,9 +138,7 @@ def load_model(args, train_texts, name, labels, announce=False):
                   f"{RANDOM_WEIGHTS_BANNER}\n{banner}", file=sys.stderr)
     else:
         tokenizer, model = load_pretrained(name, args.seed, overrides)
-    max_positions = model.config.max_position_embeddings
-    if args.max_seq_len > max_positions:
-        raise UserError(f"--max-seq-len {args.max_seq_len} exceeds the model's {max_positions} positions")
+    check_max_seq_len(args.max_seq_len, model.config.max_position_embeddings)
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing: the form DDP, FSDP2 and the rest accept without special cases.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

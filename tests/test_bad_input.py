@@ -10,11 +10,11 @@ import pytest
 from conftest import PYTHON, SAMPLES, SMALL, run, run_in_process
 
 
-def train(*extra, data=None):
+def train(*extra, data=None, env=None):
     args = ["single-gpu-cls.py", *SMALL, *extra]
     if data is not None:
         args += ["--data", str(data)]
-    return run_in_process(args)
+    return run_in_process(args, env=env)
 
 
 def assert_clean_error(process, *fragments):
@@ -222,3 +222,58 @@ def test_a_read_only_output_dir_is_refused_before_training(tmp_path):
     with mounted_tmpfs(tmp_path, "ro"):
         assert_clean_error(train("--output-dir", str(tmp_path / "out")), f"--output-dir {tmp_path / 'out'} is not "
                                                                           "writable: Read-only file system")
+
+
+def link(path, target):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target)
+    return path
+
+
+def folder_holding(path, name, make):
+    """`path`, a new folder, with `make(path / name)` done in it."""
+    path.mkdir()
+    make(path / name)
+    return path
+
+
+@pytest.mark.parametrize("output_dir, fragment", [
+    (lambda tmp: "", "--output-dir is empty"),  # else the current folder's model/ and result.json are replaced
+    (lambda tmp: link(tmp / "loop", "loop"), "loop cannot be used: Too many levels of symbolic links"),
+    (lambda tmp: link(tmp / "dangling", "nowhere") / "out", "dangling is a link to nowhere, which does not exist"),
+    (lambda tmp: tmp / ("名" * 100) / "out", "is 300 bytes, its filesystem holds at most 255"),
+    (lambda tmp: tmp.joinpath(*["d" * 254] * 15), "bytes long, too long for the run's files below it"),
+    (lambda tmp: folder_holding(tmp / "out", ".lock", lambda path: path.mkdir()), "holds a .lock that is not a file"),
+    (lambda tmp: folder_holding(tmp / "out", "model", lambda path: path.symlink_to(path)), "holds links (model)"),
+])
+def test_an_output_dir_no_run_can_use_is_named_before_any_work(tmp_path, output_dir, fragment):
+    assert_clean_error(train("--output-dir", output_dir(tmp_path), data="no-such-file.json"), fragment)
+
+
+def test_a_link_in_the_output_dir_is_not_written_through(tmp_path):
+    """A run writes only inside its folder: a .lock (or trace.json, model/, ...) that links elsewhere is refused."""
+    outside = tmp_path / "someone-elses-file"
+    outside.write_text("precious", encoding="utf-8")
+    output_dir = folder_holding(tmp_path / "out", ".lock", lambda path: path.symlink_to(outside))
+    assert_clean_error(train("--output-dir", output_dir, data="no-such-file.json"), "holds links (.lock)")
+    assert outside.read_text(encoding="utf-8") == "precious"
+
+
+def test_a_process_alone_in_its_world_is_rank_0_whatever_rank_it_is_given(tmp_path, monkeypatch):
+    """A RANK left in the environment of one process: no rank 0 would lock the folder or speak for it."""
+    import fcntl
+    from support import cli, launch
+    with open(tmp_path / cli.LOCK_FILE, "w", encoding="utf-8") as first:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert_clean_error(train("--output-dir", tmp_path, data="no-such-file.json", env={"RANK": "1"}),
+                           "is in use by another run")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "1" if name != "LOCAL_RANK" else "0")
+    with pytest.raises(cli.UserError, match="^the launcher set RANK=1, WORLD_SIZE=1, "):  # else it waits for rank 0
+        launch.launch_environment("torchrun")
+
+
+def test_predict_refuses_a_max_seq_len_beyond_the_models_positions(single_reference):
+    model = single_reference / "model"
+    process = run_in_process(["predict.py", "--checkpoint", model, "--max-seq-len", "513", "你好"])
+    assert_clean_error(process, "--max-seq-len 513 exceeds the model's 512 positions")  # as training says it

@@ -198,3 +198,21 @@ def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(caps
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: rank 0 failed: OSError: [Errno 5] I/O error")
 
+
+
+
+def test_the_next_run_in_a_folder_clears_the_staging_of_dead_runs(tmp_path):
+    """What saves killed mid-write (SIGKILL) left beside their targets, 316 MB a checkpoint at base-shape,
+    goes with the next run into the folder; the staging of a process still running stays."""
+    from test_bad_input import assert_clean_error
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # its pid names a process that no longer runs
+    dead = [f".checkpoint.tmp-{finished.pid}", f".model.old-{finished.pid}", ".checkpoint.staging"]
+    for name in dead:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "training_state.pt").write_bytes(b"half a checkpoint")
+    (tmp_path / f".result.json.tmp-{finished.pid}").write_text("{", encoding="utf-8")
+    (tmp_path / ".model.tmp-1").mkdir()  # pid 1, init: always running
+    process = run_in_process(["single-gpu-cls.py", *SMALL, "--output-dir", tmp_path, "--data", "no-such-file.json"])
+    assert_clean_error(process, "data file not found")
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".model.tmp-1"]
