@@ -28,6 +28,8 @@ def launch_environment(how_to_launch):
     if missing:
         raise UserError(f"the launcher set RANK and WORLD_SIZE but not {' and '.join(missing)}: set them too "
                         "(this process's index on its machine, and the processes there), as torchrun does")
+    if os.environ["RANK"] == "0" and "CROSS_RANK" in os.environ:  # DeepSpeed's launch.py: rank 0 hosts the rendezvous
+        refuse_a_port_in_use(int(os.environ["MASTER_PORT"]), "--master_port", "give the deepspeed command a free one")
     return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(local["LOCAL_RANK"]),
             int(local["LOCAL_WORLD_SIZE"]))
 
@@ -162,9 +164,15 @@ def check_rendezvous_host(address, port):
         except OSError:
             raise UserError(f"MASTER_ADDR {address} is not an address of {socket.gethostname()}, where rank 0 "
                             "runs: leave MASTER_ADDR unset (the job's first node) or name this node") from None
+    refuse_a_port_in_use(port, "MASTER_PORT", "set MASTER_PORT to a free port")
+
+
+def refuse_a_port_in_use(port, option, remedy):
+    """Where rank 0 hosts the rendezvous (not under torchrun, whose agent does): a port another program
+    holds would keep the other processes waiting --dist-timeout seconds, then blaming the timeout."""
     with socket.socket() as probe:
         try:
             probe.bind(("", port))
         except OSError:
-            raise UserError(f"MASTER_PORT {port} is already in use on {socket.gethostname()} (rank 0's node): "
-                            "set MASTER_PORT to a free port") from None
+            raise UserError(f"{option} {port} is already in use on {socket.gethostname()} (rank 0's machine): "
+                            f"{remedy}") from None
