@@ -95,7 +95,10 @@ def main():
         list_rows(args.variants)
         return
     model, model_note = choose_model(args.model, gpus)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # read-only, or not ours: one line, as the scripts say it
+        raise cli.UserError(f"--output-dir {args.output_dir} is not writable: {error.strerror}") from None
     cells = plan(args, gpus)
     if args.real_size:
         announce_real_size(args, cells)
