@@ -94,15 +94,19 @@ def main():
     if args.list:
         list_rows(args.variants)
         return
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     model, model_note = choose_model(args.model, gpus)
+    try:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # read-only, or not ours: one line, as the scripts say it
+        raise cli.UserError(f"--output-dir {args.output_dir} is not writable: {error.strerror}") from None
     cells = plan(args, gpus)
     if args.real_size:
         announce_real_size(args, cells)
     report = new_report(args, cells, model, model_note)
     for line in benchmark_report.header_lines(report)[:4]:
         print(line, flush=True)
-    for line in (few_steps_warning(args, cells, gpus), expected_duration(args, cells, model, gpus)):
+    for line in (benchmark_report.oversubscription_note(report), few_steps_warning(args, cells, gpus),
+                 expected_duration(args, cells, model, gpus)):
         if line:
             print(line, flush=True)
 

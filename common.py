@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from support import checkpoints, curves, measure, models, results
+from support import checkpoints, cli, curves, measure, models, results
 from support.errors import UserError
 from support.machine import computes_natively, set_threads, use_attention_without_plans, use_tf32
 
@@ -69,12 +69,16 @@ def set_seed(seed):
 def load_records(path):
     """Read and check the [text, label] records; texts come word-segmented and are joined back."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"--data {path} is a folder: name its JSON file of [text, label] records, like data/train.json")
     if not path.is_file():
         raise UserError(f"data file not found: {path}")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise UserError(f"{path} is not valid JSON: {error}") from None
+    except OSError as error:  # not ours to read
+        raise UserError(f"cannot read the data file {path}: {error.strerror}") from None
     if not isinstance(raw, list):
         raise UserError(f"{path} must hold a JSON list of [text, label] records, found {type(raw).__name__}")
     records = []
@@ -101,13 +105,9 @@ def split_records(records, max_samples, dev_ratio, seed):
     Depends on nothing but these arguments, so every strategy and process count trains and
     evaluates on exactly the same samples.
     """
-    if max_samples > len(records):
-        raise UserError(f"--max-samples {max_samples} asks for more records than the data has ({len(records)})")
+    _, dev_size = cli.split_sizes(max_samples, dev_ratio, len(records))
     samples = records[:max_samples]
     random.Random(seed).shuffle(samples)
-    dev_size = round(len(samples) * dev_ratio)
-    if dev_size == 0 or dev_size == len(samples):
-        raise UserError(f"--dev-ratio {dev_ratio} of {len(samples)} samples leaves an empty train or dev set")
     return samples[dev_size:], samples[:dev_size]
 
 
@@ -243,10 +243,16 @@ def global_batch_size(batch_size, world_size, accumulation_steps):
 
 def train_sampler(dataset, args, num_replicas=1, rank=0):
     """The training sampler: this process's share of every micro-batch of every global batch,
-    reshuffled per epoch."""
-    return GlobalBatchSampler([len(ids) for ids in dataset.input_ids], args.batch_size, num_replicas, rank,
-                              shuffle=not args.no_shuffle, group_by_length=args.group_by_length, seed=args.seed,
-                              accumulation_steps=args.grad_accum, fill=(args.pad_to_multiple_of or 1) > 1)
+    reshuffled per epoch. A global batch larger than the training set is refused: its figures would
+    describe samples that are not there."""
+    sampler = GlobalBatchSampler([len(ids) for ids in dataset.input_ids], args.batch_size, num_replicas, rank,
+                                 shuffle=not args.no_shuffle, group_by_length=args.group_by_length, seed=args.seed,
+                                 accumulation_steps=args.grad_accum, fill=(args.pad_to_multiple_of or 1) > 1)
+    if sampler.global_batch_size > len(dataset):
+        raise UserError(f"a global batch of {sampler.global_batch_size:,} (--batch-size {args.batch_size} x "
+                        f"{num_replicas} process(es) x --grad-accum {args.grad_accum}) is more than the "
+                        f"{len(dataset):,} training samples: lower --batch-size or raise --max-samples")
+    return sampler
 
 
 def eval_sampler(dataset, args, num_replicas=1, rank=0):

@@ -1,6 +1,5 @@
 """--real-size's checks before any launch (the memory a plan needs), how long a plan should take here,
 and whether its rows have enough steps to time. Torch is imported only to time a step."""
-import argparse
 import json
 import math
 import statistics
@@ -9,9 +8,8 @@ from pathlib import Path
 
 from support import cli
 
-from .options import devices
-from .rows import (ROOT, SCRIPT_BATCH_SIZE, SCRIPT_DEFAULTS, SCRIPT_DEV_RATIO, SCRIPT_MAX_SAMPLES, STRATEGIES,
-                   relative)
+from .options import devices, script_data
+from .rows import ROOT, SCRIPT_BATCH_SIZE, SCRIPT_DEV_RATIO, SCRIPT_MAX_SAMPLES, STRATEGIES, relative
 
 
 # One launch's resident memory per process, from a 2-process DDP run of base-shape (2.66 GB peak on rank 0):
@@ -165,7 +163,7 @@ def few_steps_warning(args, cells, gpus):
         for cell in cells}
     largest = max(global_batches.values())
     samples, (dev_ratio, records) = args.max_samples or SCRIPT_MAX_SAMPLES, script_data(args.passthrough)
-    train = samples - round(samples * dev_ratio)
+    train, _ = cli.split_sizes(samples, dev_ratio, math.inf)
     epochs = args.epochs or 1
     steps = {row: math.ceil(train / batch) * epochs for row, batch in global_batches.items()}
     few = [row for row, count in steps.items() if count < FEW_STEPS]
@@ -181,21 +179,3 @@ def few_steps_warning(args, cells, gpus):
     return (f"warning: {len(few)} row(s) ({', '.join(few)}) train fewer than {FEW_STEPS} optimizer steps, "
             f"{min(steps.values())} at a global batch of {largest:,} ({train:,} training samples, {epochs} "
             f"epoch(s)): too few to time (the first is timed apart); {' or '.join(fixes)} gives {FEW_STEPS} or more")
-
-
-def script_data(passthrough):
-    """The --dev-ratio and the data's record count the scripts will use (the count None where the file
-    cannot be read: the scripts say why)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--dev-ratio", default=SCRIPT_DEV_RATIO)
-    parser.add_argument("--data", default=SCRIPT_DEFAULTS.get_default("data"))
-    known, _ = parser.parse_known_args(passthrough)
-    try:
-        dev_ratio = float(known.dev_ratio)
-    except ValueError:
-        dev_ratio = SCRIPT_DEV_RATIO  # the scripts refuse it, in one line
-    try:
-        records = len(json.loads((ROOT / known.data).read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):
-        records = None
-    return dev_ratio, records

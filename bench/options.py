@@ -2,13 +2,16 @@
 options for each script. Imports no torch."""
 import argparse
 import itertools
+import json
+import math
 import re
 import shlex
 from pathlib import Path
 
 from support import cli
 
-from .rows import BUILT_IN_VARIANTS, DEFAULT_ROWS, ROOT, SCRIPT_BATCH_SIZE, STRATEGIES, Variant, job_hosts, relative
+from .rows import (BUILT_IN_VARIANTS, DEFAULT_ROWS, ROOT, SCRIPT_BATCH_SIZE, SCRIPT_DEFAULTS, SCRIPT_DEV_RATIO,
+                   SCRIPT_MAX_SAMPLES, STRATEGIES, Variant, job_hosts, relative)
 
 
 # --real-size: every default row and every ZeRO stage at 2 processes, the sharded rows also at 4 (to show
@@ -168,11 +171,13 @@ def check_runner_args(args, passthrough, default_nprocs, gpus=0):
     args.batch_sizes = parse_counts(str(args.batch_size), "--batch-size", "batch size") if args.batch_size else [None]
     args.batch_size = args.batch_sizes[-1]  # the largest: what the estimates size
     for name in ("repeat", "max_samples", "epochs", "max_steps", "global_batch", "profile"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise cli.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.timeout <= 0:
-        raise cli.UserError(f"--timeout must be positive, got {args.timeout:g}")
+        value, least = getattr(args, name), cli.MIN_SAMPLES if name == "max_samples" else 1
+        if value is not None and value < least:
+            raise cli.UserError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    dev_ratio, records = script_data(passthrough)
+    cli.split_sizes(args.max_samples or SCRIPT_MAX_SAMPLES, dev_ratio, math.inf if records is None else records)
+    if not 0 < args.timeout < math.inf:
+        raise cli.UserError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.publish and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.publish):
         raise cli.UserError(f"--publish {args.publish}: a suffix of lower-case letters, digits and dashes, e.g. compile")
     args.counts = parse_counts(args.nprocs)
@@ -198,7 +203,27 @@ def check_runner_args(args, passthrough, default_nprocs, gpus=0):
                                 + (f" x {micro} micro-batches" if micro > 1 else ""))
     args.passthrough = passthrough
     args.output_dir = Path(args.output_dir).resolve()
+    if args.output_dir.exists() and not args.output_dir.is_dir():
+        raise cli.UserError(f"--output-dir {args.output_dir} is a file, not a folder")
     return args
+
+
+def script_data(passthrough):
+    """The --dev-ratio and the data's record count the scripts will use (the count None where the file
+    cannot be read: the scripts say why)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--dev-ratio", default=SCRIPT_DEV_RATIO)
+    parser.add_argument("--data", default=SCRIPT_DEFAULTS.get_default("data"))
+    known, _ = parser.parse_known_args(passthrough)
+    try:
+        dev_ratio = float(known.dev_ratio)
+    except ValueError:
+        dev_ratio = SCRIPT_DEV_RATIO  # the scripts refuse it, in one line
+    try:
+        records = len(json.loads((ROOT / known.data).read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        records = None
+    return dev_ratio, records
 
 
 def world_sizes(args):

@@ -181,11 +181,18 @@ def header_lines(report):
         lines.append(f"noise floor: {report['noise_floor']:.1%}, the largest (max - min) / shown run of any "
                      "row's training times; a speed-up marked ~ is within it of another row's: their order is not "
                      "significant")
+    if oversubscription_note(report):
+        lines.append(oversubscription_note(report))
+    return lines
+
+
+def oversubscription_note(report):
+    """A line where a CPU run starts more processes than the usable cores, else None."""
     oversubscribed = [count for count in report["counts"] if count > report["machine"]["cores"]]
     if oversubscribed and not report["machine"]["gpus"]:
-        lines.append(f"note: {' and '.join(map(str, oversubscribed))} processes exceed the "
-                     f"{report['machine']['cores']} usable cores: those runs prove the mechanics, not the speed")
-    return lines
+        return (f"note: {' and '.join(map(str, oversubscribed))} processes exceed the {report['machine']['cores']} "
+                "usable cores: those runs prove the mechanics, not the speed")
+    return None
 
 
 LEGEND = ("train s: the training loop only (rank 0). samples/s, whole loop: samples trained / train s. "

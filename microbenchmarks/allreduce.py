@@ -70,10 +70,7 @@ def gradient_elements(name, args):
     elif name == "base-shape":
         config = transformers.BertConfig(**models.base_shape_config(), num_labels=len(common.LABELS))
     else:
-        # The test load_pretrained makes: anything else would go to the hub and retry for half a minute.
-        if not Path(name).is_dir() and (name.startswith((".", "/")) or name.count("/") != 1):
-            raise cli.UserError(f"model not found: {name} is neither a folder nor a hub id like "
-                                f"{models.HUB_MODEL_ID}")
+        models.check_model_source(name)  # the test load_pretrained makes: no minute of the hub's retries
         try:
             config = transformers.AutoConfig.from_pretrained(name, num_labels=len(common.LABELS))
         except (OSError, ValueError) as error:

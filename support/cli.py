@@ -31,6 +31,8 @@ PRECISIONS = ["fp32", "bf16", "fp16"]
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 # Room for [CLS], one token of text and [SEP]: a shorter --max-seq-len truncates nothing, silently.
 MIN_SEQ_LEN = 3
+# A training sample and a dev sample.
+MIN_SAMPLES = 2
 
 
 def run(main):
@@ -182,8 +184,8 @@ def add_precision_arg(parser, default="fp32", default_help=None):
 def check_args(args):
     """Every value checked before any work (a traceback deep in torch otherwise, or a silent nonsense
     run), then --output-dir claimed for this run."""
-    if args.max_samples < 2:
-        raise UserError(f"--max-samples must be at least 2, got {args.max_samples}")
+    if args.max_samples < MIN_SAMPLES:
+        raise UserError(f"--max-samples must be at least {MIN_SAMPLES}, got {args.max_samples}")
     for name in ("save_steps", "profile", "max_steps"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
@@ -225,6 +227,18 @@ def check_max_seq_len(max_seq_len, max_positions=None):
         raise UserError(f"--max-seq-len must be at least {MIN_SEQ_LEN} ([CLS], a token, [SEP]), got {max_seq_len}")
     if max_positions is not None and max_seq_len > max_positions:
         raise UserError(f"--max-seq-len {max_seq_len} exceeds the model's {max_positions} positions")
+
+
+def split_sizes(max_samples, dev_ratio, records):
+    """(train, dev) samples of the first --max-samples of `records` with --dev-ratio held out for dev,
+    or one line saying why there are none: the scripts' rule, which the runner checks before any launch."""
+    if max_samples > records:
+        raise UserError(f"--max-samples {max_samples} asks for more records than the data has ({records})")
+    dev = round(max_samples * dev_ratio)
+    if not 0 < dev < max_samples:
+        raise UserError(f"--max-samples {max_samples} with --dev-ratio {dev_ratio:g} leaves an empty "
+                        f"{'dev' if dev == 0 else 'train'} set")
+    return max_samples - dev, dev
 
 
 # ----------------------------------------------------------------------------- the run's folder

@@ -41,6 +41,8 @@ def launch_environment(how_to_launch):
     if not (0 <= rank < size and 0 <= index < processes):  # else it waits for a rank that never comes
         raise UserError(f"the launcher set RANK={rank}, WORLD_SIZE={size}, LOCAL_RANK={index}, LOCAL_WORLD_SIZE="
                         f"{processes}: each rank must be 0 or more and below its size", only_this_rank=True)
+    if rank == 0 and "CROSS_RANK" in os.environ:  # DeepSpeed's launch.py: rank 0 hosts the rendezvous
+        refuse_a_port_in_use(int(os.environ["MASTER_PORT"]), "--master_port", "give the deepspeed command a free one")
     return rank, size, index, processes
 
 
@@ -174,9 +176,15 @@ def check_rendezvous_host(address, port):
         except OSError:
             raise UserError(f"MASTER_ADDR {address} is not an address of {socket.gethostname()}, where rank 0 "
                             "runs: leave MASTER_ADDR unset (the job's first node) or name this node") from None
+    refuse_a_port_in_use(port, "MASTER_PORT", "set MASTER_PORT to a free port")
+
+
+def refuse_a_port_in_use(port, option, remedy):
+    """Where rank 0 hosts the rendezvous (not under torchrun, whose agent does): a port another program
+    holds would keep the other processes waiting --dist-timeout seconds, then blaming the timeout."""
     with socket.socket() as probe:
         try:
             probe.bind(("", port))
         except OSError:
-            raise UserError(f"MASTER_PORT {port} is already in use on {socket.gethostname()} (rank 0's node): "
-                            "set MASTER_PORT to a free port") from None
+            raise UserError(f"{option} {port} is already in use on {socket.gethostname()} (rank 0's machine): "
+                            f"{remedy}") from None

@@ -104,7 +104,8 @@ def count_tokens(batch):
 class ModelStateCount(Callback):
     """Bytes of parameters, gradients and optimizer state this process holds, counted from the
     tensors themselves just before the second optimizer step, where all three exist (Adam creates
-    its moments in the first step, and zero_grad frees the gradients after each).
+    its moments in the first step, and zero_grad frees the gradients after each); a run of one step
+    adds the gradients counted before it to the rest counted after it.
 
     Only this process's part counts: FSDP2's local shards of its DTensors, DeepSpeed's partitions
     (reduced gradient partitions, ZeRO-3 weight partitions, and its fp32 master weights, which the
@@ -146,15 +147,26 @@ class ModelStateCount(Callback):
                           if isinstance(g, torch.Tensor)]
             if isinstance(getattr(zero, "grad_partitions_flat_buffer", None), torch.Tensor):
                 gradients.append(zero.grad_partitions_flat_buffer)
-        seen = {}
-        held = {"parameters": storage_bytes(parameters, seen),
-                "gradients": storage_bytes(gradients, seen),
-                "optimizer_state": storage_bytes(master_weights + [value for state in optimizer.state.values()
-                                                                   for value in state.values()
-                                                                   if isinstance(value, torch.Tensor)], seen)}
+        moments = [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+        seen, self.blocks = {}, {}
+        for kind, tensors in (("parameters", parameters), ("gradients", gradients),
+                              ("optimizer_state", master_weights + moments)):
+            self.blocks[kind] = memory_blocks(tensors, seen)
+        self.add_up()
+
+    def on_train_end(self, trainer):
+        if self.steps == 1:  # one step: Adam's moments exist only after it, the gradients only before it
+            gradients = self.blocks["gradients"]
+            self.count(gradients=[])
+            self.blocks["gradients"] = gradients
+            self.add_up()
+
+    def add_up(self):
+        """self.bytes and self.bytes_by_device from the memory blocks counted of each kind."""
+        held = {kind: sum(blocks.values()) for kind, blocks in self.blocks.items()}
         self.bytes = {**held, "total": sum(held.values())}
         self.bytes_by_device = {}  # offloaded state lives in CPU memory, the rest on the GPU
-        for (device_type, _), nbytes in seen.items():
+        for (device_type, _), nbytes in (item for blocks in self.blocks.values() for item in blocks.items()):
             self.bytes_by_device[device_type] = self.bytes_by_device.get(device_type, 0) + nbytes
 
     def result_fields(self, device, peak_memory_mb):
@@ -322,17 +334,16 @@ def zero_formula(strategy, model):
             "parameter_count": count}
 
 
-def storage_bytes(tensors, seen):
-    """Bytes of the memory the `tensors` live in, each block counted once (across calls too: `seen`
-    maps each block, by device type and address, to its bytes)."""
-    total = 0
+def memory_blocks(tensors, seen):
+    """{(device type, address): bytes} of the memory the `tensors` live in, each block once and none
+    already in `seen`, which they join (a view counts with the tensor it views, even across calls)."""
+    blocks = {}
     for tensor in tensors:
         storage = local(tensor).untyped_storage()
         block = (storage.device.type, storage.data_ptr())
         if storage.nbytes() and block not in seen:
-            seen[block] = storage.nbytes()
-            total += storage.nbytes()
-    return total
+            seen[block] = blocks[block] = storage.nbytes()
+    return blocks
 
 
 def local(tensor):

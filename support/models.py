@@ -33,6 +33,8 @@ def resolve_model(choice):
     in one process and share the answer: processes that probe the network each on its own may
     disagree."""
     if choice != "auto":
+        if choice not in ("tiny", "base-shape"):
+            check_model_source(choice)
         return choice
     if LOCAL_MODEL_DIR.is_dir():
         return str(LOCAL_MODEL_DIR)
@@ -47,9 +49,17 @@ def resolve_model(choice):
 
 def hub_has(model_id):
     """True when the hub model is cached locally or the hub answers within a few seconds."""
-    from huggingface_hub import constants, try_to_load_from_cache
-    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
-        return True
+    return hub_cached(model_id) or hub_reachable()
+
+
+def hub_cached(model_id):
+    from huggingface_hub import try_to_load_from_cache
+    return isinstance(try_to_load_from_cache(model_id, "config.json"), str)
+
+
+def hub_reachable():
+    """Whether the hub answers within a few seconds; never with HF_HUB_OFFLINE set."""
+    from huggingface_hub import constants
     if constants.HF_HUB_OFFLINE:
         return False
     host = constants.ENDPOINT.split("://")[-1].split("/")[0]
@@ -58,6 +68,24 @@ def hub_has(model_id):
         return True
     except OSError:
         return False
+
+
+def check_model_source(name):
+    """Refuse at once a --model that names neither a folder nor a hub id, or a hub model that is not
+    cached when the hub is unreachable. Unreachable, the hub is not asked again: a cached model
+    loads at once, not after a minute of retries."""
+    if Path(name).is_dir():
+        return
+    if name.startswith((".", "/")) or name.count("/") != 1:
+        raise UserError(f"model not found: {name} is neither a folder nor a hub id like {HUB_MODEL_ID}")
+    if hub_reachable():
+        return
+    from huggingface_hub import constants
+    constants.HF_HUB_OFFLINE = True
+    if not hub_cached(name):
+        raise UserError(f"model {name} is not in the Hugging Face cache and the hub is unreachable (or HF_HUB_OFFLINE "
+                        f"is set): download it once, as README.md's 'Getting the real weights' shows, with "
+                        f"`hf download {name} --local-dir <folder>`, then pass --model <folder>")
 
 
 def character_vocabulary(train_texts):
@@ -147,8 +175,7 @@ def load_model(args, train_texts, name, labels, announce=False):
 
 
 def load_pretrained(name, seed, overrides):
-    if not Path(name).is_dir() and (name.startswith((".", "/")) or name.count("/") != 1):
-        raise UserError(f"model not found: {name} is neither a folder nor a hub id like {HUB_MODEL_ID}")
+    check_model_source(name)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(name)
         with torch.random.fork_rng():

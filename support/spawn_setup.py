@@ -6,6 +6,7 @@ import socket
 import time
 
 from .errors import UserError
+from .launch import refuse_a_port_in_use
 
 # Seconds the processes get to stop on their own (after a failure or a SIGTERM) before they are killed.
 SHUTDOWN_GRACE_SECONDS = 10
@@ -37,9 +38,8 @@ def check_launch(args, gpus):
     args.master_addr = args.master_addr or "127.0.0.1"
     if args.master_port is None:
         args.master_port = free_port()
-    elif args.node_rank == 0 and not port_is_free(args.master_port):
-        raise UserError(f"--master-port {args.master_port} is in use on this machine: name another, "
-                            "or leave it out to get a free one")
+    elif args.node_rank == 0:
+        refuse_a_port_in_use(args.master_port, "--master-port", "name another, or leave it out to get a free one")
 
 
 def free_port():
@@ -49,15 +49,6 @@ def free_port():
     with socket.socket() as probe:
         probe.bind(("", 0))
         return str(probe.getsockname()[1])
-
-
-def port_is_free(port):
-    with socket.socket() as probe:
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return False
-        return True
 
 
 def wait_for(processes, first_failure, args):

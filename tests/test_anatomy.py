@@ -5,10 +5,13 @@ Every row's model state (counted from each process's tensors) must match what th
 predicts for it, and --profile must split a step into phases that add up to it, with DDP's
 all-reduce seen and, where it runs under backward, overlapped."""
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import read_result
+from support import measure
 
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
 
@@ -62,3 +65,20 @@ def test_the_tables_and_the_chart_show_the_anatomy(profiled_benchmark):
     assert f"| fsdp | 2 | {fsdp['parameters'] / 2**20:.2f} | {fsdp['gradients'] / 2**20:.2f} |" in table
     chart = (output / "benchmark.png").read_bytes()
     assert chart.startswith(b"\x89PNG") and len(chart) > 10_000
+
+
+def test_a_one_step_run_counts_the_optimizer_state_its_step_created():
+    """The count before the second step never comes in a run of one: its Adam moments (created in
+    the step) are counted after it, with the gradients counted before it (zero_grad frees them)."""
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.AdamW(model.parameters())
+    count = measure.ModelStateCount(SimpleNamespace(), model, optimizer)
+    model(torch.ones(2, 256)).sum().backward()
+    count.on_phase_begin(None, "optimizer step")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    count.on_train_end(None)
+    weights = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    assert count.bytes["parameters"] == count.bytes["gradients"] == weights
+    assert count.bytes["optimizer_state"] >= 2 * weights  # the two moments, and each weight's step count
+    assert count.bytes_by_device == {"cpu": count.bytes["total"]}

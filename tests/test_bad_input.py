@@ -4,6 +4,8 @@ Each check ends before training, so it runs the script in this interpreter (run_
 two of the quick tier launch a Python of their own, as a user does."""
 import json
 import shutil
+import socket
+import time
 
 import pytest
 
@@ -60,6 +62,31 @@ def test_missing_data_file(tmp_path):
 def test_more_samples_than_the_data_has(tmp_path):
     path = write(tmp_path, GOOD * 10)
     assert_clean_error(train(data=path), f"--max-samples {SAMPLES}", "(30)")
+
+
+def test_a_data_folder_is_named_as_a_folder(tmp_path):
+    assert_clean_error(train(data=tmp_path), f"--data {tmp_path} is a folder", "like data/train.json")
+
+
+def test_a_global_batch_larger_than_the_training_set_is_refused():
+    assert_clean_error(train("--batch-size", "1000000"), "a global batch of 1,000,000",
+                       f"more than the {SAMPLES - round(SAMPLES * 0.2)} training samples")
+
+
+def test_a_hub_model_without_network_is_refused_at_once_saying_how_to_get_it(monkeypatch):
+    """No network (the hub's host unreachable) and no cached copy: one line with the download
+    command, in seconds, not after the hub client's minute of retries; no HF_HUB_OFFLINE needed."""
+    from huggingface_hub import constants
+
+    def unreachable(*args, **kwargs):
+        raise OSError("network is unreachable")
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # restored after the test: the check sets it
+    start = time.monotonic()
+    process = train("--model", "someone/not-cached-model")
+    assert_clean_error(process, "someone/not-cached-model is not in the Hugging Face cache",
+                       "hf download someone/not-cached-model --local-dir")
+    assert time.monotonic() - start < 20
 
 
 def test_missing_model_folder(tmp_path):

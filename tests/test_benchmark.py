@@ -198,11 +198,55 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--batch-size", "32,0"], "error: --batch-size takes batch sizes of at least 1, like 2 or 1,2,4; got '32,0'"),
     (["--global-batch", "64", "--batch-size", "16,32"], "error: --global-batch sets each script's --batch-size"),
     (["--nnodes", "2"], "error: --nnodes 2 runs each row across the nodes of a Slurm job: submit slurm/benchmark.sbatch"),
+    (["--max-samples", "1"], "error: --max-samples must be at least 2, got 1"),
+    (["--max-samples", "5"], "error: --max-samples 5 with --dev-ratio 0.08 leaves an empty dev set"),
+    (["--max-samples", "50000"], "error: --max-samples 50000 asks for more records than the data has (40133)"),
+    (["--timeout", "nan"], "error: --timeout must be a positive number of seconds, got nan"),
+    (["--model", "/nope"], "error: model not found: /nope is neither a folder nor a hub id"),
 ])
 def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
     process = run_in_process(["benchmark.py", *options, "--output-dir", str(tmp_path)], env=CPU_ONLY)
     assert process.returncode == 2 and process.stderr.startswith(message), process.stderr
     assert "Traceback" not in process.stderr and not list(tmp_path.iterdir())
+
+
+def test_an_output_dir_that_is_a_file_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("x", encoding="utf-8")
+    process = run_in_process(["benchmark.py", "--output-dir", str(path)], env=CPU_ONLY)
+    assert process.returncode == 2 and process.stderr == f"error: --output-dir {path} is a file, not a folder\n"
+
+
+def test_more_processes_than_cores_are_said_before_the_first_launch(tmp_path, monkeypatch):
+    def no_launch(*args):
+        raise SystemExit("the launches would start here")
+    monkeypatch.setattr(bench_run, "run_all", no_launch)
+    cores = machine.usable_cores()
+    process = run_in_process(["benchmark.py", "--only", "ddp", "--nprocs", str(cores + 1), "--model", "tiny",
+                              "--output-dir", str(tmp_path)], env=CPU_ONLY)
+    assert process.stderr.strip() == "the launches would start here"
+    assert f"note: {cores + 1} processes exceed the {cores} usable cores" in process.stdout
+
+
+def test_a_launch_dies_with_the_runner_even_when_the_runner_is_killed(tmp_path):
+    """SIGKILL leaves the runner no time to stop the launch, which runs in a session of its own: the
+    kernel sends the launch SIGTERM (prctl's parent-death signal) and the launchers pass it on."""
+    pid_file = tmp_path / "launch.pid"
+    launch = [PYTHON, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
+    runner = subprocess.Popen([PYTHON, "-c", "import sys; from pathlib import Path; from bench import run; "
+                               f"run.launch_once({launch!r}, {{}}, 'sleep', Path({str(tmp_path)!r}), "
+                               f"Path({str(tmp_path / 'launch.log')!r}), 60)"], cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and runner.poll() is None, "the launch never started"
+        time.sleep(0.1)
+    launched = int(pid_file.read_text())
+    runner.kill()
+    runner.wait()
+    deadline = time.monotonic() + 10
+    while bench_run.group_runs(launched):  # its own session: its process group is its pid
+        assert time.monotonic() < deadline, "the launch outlived the runner"
+        time.sleep(0.1)
 
 
 def test_list_shows_every_row_and_a_variant_of_ones_own():

@@ -4,6 +4,7 @@ processes x 8 x 2 micro-batches, under the deepspeed launcher too, are the profi
 (test_grad_accum.py); ZeRO-3's merged checkpoint, test_equivalence.py's 3 processes and the 2-node
 cluster's job (test_several_machines.py)."""
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,19 @@ def test_bad_deepspeed_options_fail_before_training(tmp_path, args, fragment):
         args = ["--deepspeed-config", write_config(tmp_path, args)]
     process = run_in_process([SCRIPT, *SMALL, *args], env=LAUNCHED)
     assert_clean_error(process, fragment)
+
+
+def test_a_master_port_in_use_is_refused_before_the_ranks_wait_for_it(tmp_path):
+    """Rank 0 of DeepSpeed's launch.py (which alone sets CROSS_RANK) hosts the rendezvous: on a port in
+    use the other ranks would wait --dist-timeout seconds, and the error would blame the timeout."""
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = run_in_process([SCRIPT, *SMALL, "--dist-timeout", "5", "--output-dir", tmp_path],
+                                 env={**LAUNCHED, "CROSS_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert_clean_error(process, f"--master_port {port} is already in use on")
+    assert process.stderr.strip().endswith("give the deepspeed command a free one")
 
 
 def test_fp16_on_cpu_is_refused():

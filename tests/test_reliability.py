@@ -114,7 +114,8 @@ def test_spawn_refuses_a_master_port_in_use(script):
         process = run_in_process([script, *SMALL, "--master-port", str(port)])
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1] == (
-        f"error: --master-port {port} is in use on this machine: name another, or leave it out to get a free one")
+        f"error: --master-port {port} is already in use on {socket.gethostname()} (rank 0's machine): name another, "
+        "or leave it out to get a free one")
 
 
 @contextlib.contextmanager
