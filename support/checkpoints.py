@@ -95,19 +95,19 @@ def save(trainer, step):
 
 
 def resume(trainer):
-    """With --resume, restore the checkpoint in --output-dir (the newest complete one) and return its
-    step, else 0; the APPLIED settings are this command line's. Rank 0 chooses the checkpoint; every
-    process must be able to read it."""
+    """With --resume, restore the checkpoint in --output-dir (choose()) and return its step, else 0;
+    the APPLIED settings are this command line's. Rank 0 chooses; every process must be able to read
+    what it chose."""
     checkpoint, strategy = trainer.output_dir / "checkpoint", trainer.strategy
     if not trainer.args.resume:
         return 0
     with readable(checkpoint):
         mine = choose(strategy, checkpoint)
-    folder, saved, note = strategy.broadcast_object(mine)
-    if folder is None and note:
-        raise UserError(note)
+    folder, saved, note, refusal = strategy.broadcast_object(mine)
+    if refusal:
+        raise UserError(refusal)
     if folder is None:
-        trainer.log(f"--resume: no checkpoint in {checkpoint}, starting from step 0")
+        trainer.log(f"--resume: no checkpoint in {checkpoint}{note or ''}, starting from step 0")
         return 0
     if strategy.reduce_mean(torch.tensor(float(mine[0] == folder), device=strategy.device)).item() < 1:
         raise UserError(f"--resume: rank 0 found a checkpoint in {folder} that another process cannot "
@@ -130,24 +130,24 @@ def resume(trainer):
 
 
 def choose(strategy, checkpoint):
-    """(folder, its meaning, a note) of the checkpoint to resume from: the one the last save made, else
-    the newest complete one, the note saying why. (None, None, None) where no save left anything;
-    where one left files but no complete checkpoint, the note is the refusal: a folder with a
-    checkpoint's files is never taken for an empty one."""
+    """(folder, its meaning, note, refusal): the checkpoint the last save made, else the newest complete
+    one, the note saying why. Without a complete one: refused where the last save's folder is there,
+    damaged (a folder with a checkpoint's files is never taken for an empty one); else none (folder
+    None), the note naming what an interrupted save left, which holds nothing to resume from."""
     expected, *others = strategy.checkpoint_folders(checkpoint)
     saved = strategy.checkpoint_meaning(expected)
     if saved is not None:
-        return expected, saved, None
+        return expected, saved, None, None
     complete = [(found["step"], folder, found) for folder in others
                 if (found := strategy.checkpoint_meaning(folder)) is not None]
     if complete:
         _, folder, saved = max(complete, key=lambda candidate: candidate[0])
-        return folder, saved, f"{expected} is missing or incomplete: this is the newest complete checkpoint"
-    remains = [folder for folder in saved_beside(checkpoint) if folder.is_dir() and any(folder.iterdir())]
-    if remains:
-        return None, None, (f"--resume: {remains[0]} holds an incomplete checkpoint and there is no complete "
-                            "one: remove it to start from step 0")
-    return None, None, None
+        return folder, saved, f"{expected} is missing or incomplete: this is the newest complete checkpoint", None
+    if expected.is_dir() and any(expected.iterdir()):
+        return None, None, None, (f"--resume: {expected} holds an incomplete checkpoint and there is no complete "
+                                  "one: remove it to start from step 0")
+    left = [str(folder) for folder in saved_beside(checkpoint) if folder.is_dir() and any(folder.iterdir())]
+    return None, None, f" (only what an interrupted save left: {', '.join(left)})" if left else None, None
 
 
 def saved_beside(checkpoint):

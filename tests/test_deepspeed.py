@@ -126,9 +126,9 @@ def test_memory_estimate_for_each_stage_and_offload():
 
 
 def test_a_resume_takes_the_newest_complete_step_when_latest_names_none(tmp_path):
-    """`latest` names a step folder a failed save removed, beside a complete step8/: the resume takes
-    step8 (here refused, as written by other settings, before the engine would load it), and refuses
-    step8 once it is incomplete too. In this interpreter, for one process."""
+    """`latest` names a step folder a failed save removed, then one it left incomplete, beside a complete
+    step8/: the resume takes step8 (here refused, as written with other settings, before the engine
+    would load it). In this interpreter, for one process."""
     import common
     from libraries import deepspeed_setup
     from support import checkpoints, cli
@@ -143,8 +143,8 @@ def test_a_resume_takes_the_newest_complete_step_when_latest_names_none(tmp_path
     strategy = OneProcess("cpu", 0, 2, 2, "fp32", {"zero_optimization": {"stage": 2}})
     run = SimpleNamespace(args=cli.build_parser(SCRIPT, "").parse_args(["--resume"]), output_dir=tmp_path,
                           strategy=strategy, global_batch_size=64, model_name="tiny", log=print)
-    with pytest.raises(cli.UserError, match=f"^--resume: the checkpoint in {checkpoint / 'step8'} was written with"):
-        checkpoints.resume(run)
-    (checkpoint / "step8" / checkpoints.MEANING_FILE).unlink()
-    with pytest.raises(cli.UserError, match=f"^--resume: {checkpoint} holds an incomplete checkpoint"):
-        checkpoints.resume(run)
+    for step12 in ("missing", "without its meaning.json"):
+        with pytest.raises(cli.UserError, match=f"^--resume: the checkpoint in {checkpoint / 'step8'} was written"):
+            checkpoints.resume(run)
+        (checkpoint / "step12").mkdir(exist_ok=True)
+        (checkpoint / "step12" / "mp_rank_00_model_states.pt").write_bytes(b"")

@@ -156,8 +156,9 @@ def test_every_option_is_restored_applied_or_refused_as_running_md_says(monkeypa
                 changed = argparse.Namespace(**{**vars(args), action.dest: another(getattr(args, action.dest))})
                 differs = checkpoints.meaning(run_with(changed)) != checkpoints.meaning(run_with(args))
                 assert differs == (action.option_strings[0] in refused), action.option_strings[0]
+    page = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
     table = {line.split("|")[1].strip(): set(re.findall(r"`(--[a-z0-9-]+)`", line))
-             for line in (ROOT / "docs" / "running.md").read_text(encoding="utf-8").splitlines() if line.startswith("| ")}
+             for line in page.splitlines() if line.startswith("| ")}
     assert table["refuses changing"] == refused
     assert table["applies"] and table["applies"] <= set(checkpoints.ON_RESUME) - refused
 
@@ -179,7 +180,8 @@ def test_a_resume_applies_a_new_learning_rate_and_names_it(tmp_path, crashed_run
 def test_a_damaged_checkpoint_falls_back_to_the_newest_complete_one_else_is_refused(tmp_path, crashed_run):
     """The single run's checkpoint without its training state: refused while there is no other, never
     taken for no checkpoint; beside a complete one (a save interrupted while swapping its staging in),
-    that one is resumed, and the line says why. In this interpreter, to step 8: nothing to train."""
+    that one is resumed, and the line says why. What only an interrupted save left is named, and the
+    run starts over. In this interpreter, to step 8."""
     saved = crashed_run("single").output / "checkpoint"
     shutil.copytree(saved, tmp_path / "checkpoint")
     (tmp_path / "checkpoint" / checkpoints.CHECKPOINT_FILE).unlink()
@@ -193,3 +195,10 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_complete_one_else_is_refu
     assert (f"--resume: continuing from step 8 ({tmp_path / '.checkpoint.old-1'}); {tmp_path / 'checkpoint'} is "
             "missing or incomplete: this is the newest complete checkpoint") in process.stdout
     assert read_result(tmp_path)["resumed_from_step"] == 8
+    shutil.rmtree(tmp_path / "checkpoint")
+    (tmp_path / ".checkpoint.old-1" / checkpoints.MEANING_FILE).unlink()
+    (tmp_path / ".checkpoint.old-1").rename(tmp_path / ".checkpoint.staging")
+    process = run_in_process(command)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert (f"--resume: no checkpoint in {tmp_path / 'checkpoint'} (only what an interrupted save left: "
+            f"{tmp_path / '.checkpoint.staging'}), starting from step 0") in process.stdout
