@@ -545,12 +545,22 @@ class Strategy:
             checkpoints.save_whole(path, {"model": self.unwrap(model).state_dict(),
                                           "optimizer": optimizer.state_dict(), **state})
 
-    def checkpoint_meaning(self, path):
-        """The step and settings of the complete checkpoint in `path`, or None when there is none."""
-        return checkpoints.read_meaning(path)
+    def checkpoint_folders(self, path):
+        """The folders that may hold the checkpoint of `path`: the one the last save made first, then
+        any other complete ones a save may leave (one interrupted while swapping its staging in)."""
+        return checkpoints.saved_beside(path)
+
+    def checkpoint_meaning(self, folder):
+        """The step and settings of the complete checkpoint in `folder`, or None when there is none."""
+        return checkpoints.read_meaning(folder)
+
+    def checkpoint_layout(self):
+        """What the strategy's checkpoint files are laid out by, which a resume must keep (meaning())."""
+        return {}
 
     def load_state(self, model, optimizer, path):
-        """Restore a `save_state` checkpoint in every process; returns its `state`."""
+        """Restore the `save_state` checkpoint in `path` (one of checkpoint_folders) in every process;
+        returns its `state`."""
         state = checkpoints.read_training_state(path)  # load_state_dict copies each tensor where it lives
         self.unwrap(model).load_state_dict(state.pop("model"))
         optimizer.load_state_dict(state.pop("optimizer"))

@@ -91,9 +91,9 @@ class DeepSpeed(common.TorchDistributed):
         return get_fp32_state_dict_from_zero_checkpoint(str(shard_dir.parent), tag=shard_dir.name)
 
     def save_state(self, model, optimizer, path, state):
-        # --save-steps: DeepSpeed's own sharded checkpoint, every rank its part. It writes `latest`,
-        # the name of the newest complete one, last: until then the previous one stands. Older
-        # ones are removed after; a save that fails removes its own.
+        # --save-steps: DeepSpeed's own sharded checkpoint, every rank its part, then `latest` (rank
+        # 0, not waiting for the others) and, once all are written, its meaning.json: until then
+        # the previous one stands. Older ones are removed after; a save that fails removes its own.
         tag = Path(path) / f"step{state['step']}"
         with deepspeed_setup.step_folder(tag, state, self.is_main):  # with its meaning.json
             self.engine.save_checkpoint(path, tag=tag.name, client_state=state)
@@ -102,19 +102,19 @@ class DeepSpeed(common.TorchDistributed):
                 if old != tag:
                     shutil.rmtree(old)
 
-    def checkpoint_meaning(self, path):
-        latest = Path(path) / "latest"
-        if not latest.is_file():
-            return None
-        return checkpoints.meaning_in(Path(path) / latest.read_text(encoding="utf-8").strip())
+    # --resume: the step folder `latest` names, else the newest complete one (with its meaning.json).
+    checkpoint_folders = staticmethod(deepspeed_setup.step_folders)
+    checkpoint_meaning = staticmethod(checkpoints.meaning_in)
+
+    def checkpoint_layout(self):
+        return {"zero_stage": self.zero_stage, "offload": self.offload}
 
     def load_state(self, model, optimizer, path):
-        _, state = self.engine.load_checkpoint(path)
+        _, state = self.engine.load_checkpoint(path.parent, tag=path.name)
         return state
 
     def result_extras(self):
-        return {"zero_stage": self.zero_stage, "offload": self.offload,
-                "optimizer_steps": self.engine.global_steps, "deepspeed_config": self.config,
+        return {**self.checkpoint_layout(), "optimizer_steps": self.engine.global_steps, "deepspeed_config": self.config,
                 "reduce_bucket_bytes": deepspeed_setup.reduce_bucket_bytes(self.config)}
 
     def versions(self):

@@ -89,9 +89,11 @@ class FSDP2(common.TorchDistributed):
     def load_extra_state(self, state):
         self.scaler.load_state_dict(state["scaler"])
 
+    def checkpoint_layout(self):
+        return {"offload": "param+optimizer" if self.offload else "none"}
+
     def result_extras(self):
-        return {"reshard_after_forward": self.reshard_after_forward, "offload": "param+optimizer" if self.offload
-                else "none"}
+        return {"reshard_after_forward": self.reshard_after_forward, **self.checkpoint_layout()}
 
 
 def add_fsdp_args(parser):

@@ -86,13 +86,23 @@ def stop_with_the_launcher(local_rank):
 
 @contextlib.contextmanager
 def step_folder(tag, state, is_main):
-    """The folder of one --save-steps checkpoint, which rank 0 creates with what its step means and
-    removes if the save fails (`latest` still names the previous one)."""
+    """The folder of one --save-steps checkpoint, which rank 0 creates and removes if the save fails.
+    What its step means goes in last, once the engine's save has returned (after a barrier: every
+    rank's part is written): a folder with it is complete. DeepSpeed writes `latest` before that barrier."""
     if is_main:
         tag.mkdir(parents=True, exist_ok=True)
-        files.write_json(tag / checkpoints.MEANING_FILE, {"step": state["step"], **state["meaning"]})
     with files.removed_on_failure(tag, remove=is_main):
         yield
+        if is_main:
+            files.write_json(tag / checkpoints.MEANING_FILE, {"step": state["step"], **state["meaning"]})
+
+
+def step_folders(path):
+    """The step folders of the checkpoint `path`: the one `latest` names first (`latest` itself where
+    there is none), then the others."""
+    latest = Path(path) / "latest"
+    named = Path(path) / latest.read_text(encoding="utf-8").strip() if latest.is_file() else latest
+    return [named, *sorted(set(Path(path).glob("step*")) - {named})]
 
 
 def build_config(args, device, world_size):

@@ -198,5 +198,8 @@ class FabricSupport(common.Strategy):
             versions["deepspeed"] = deepspeed.__version__
         return versions
 
+    def checkpoint_layout(self):
+        return {"fabric_strategy": self.kind}  # fabric.save's files: one (DDP), shards (FSDP2), DeepSpeed's
+
     def result_extras(self):
-        return {"fabric_strategy": self.kind, "fabric_precision": self.fabric.strategy.precision.precision}
+        return {**self.checkpoint_layout(), "fabric_precision": self.fabric.strategy.precision.precision}

@@ -30,16 +30,44 @@ def save_model(model, tokenizer, path, state_dict=None):
 
 # ----------------------------------------------------------------------------- the Trainer's checkpoints
 
+REFUSED, APPLIED = "refused", "applied"
+# What --resume does with each option of the scripts that train with common.Trainer (docs/running.md's
+# table; test_resume.py checks both against the scripts). What it restores is no option: the weights,
+# the optimizer's moments, the step, every process's random states, a gradient scaler's scale.
+ON_RESUME = {
+    # Refused where different from the checkpoint's (meaning()): a step would mean other samples or
+    # other tokens (--nprocs and --nnodes: the processes, however launched), other numbers (--precision),
+    # or other files (DeepSpeed's ZeRO stage and offload, Fabric's strategy; FSDP's --offload, untested).
+    **dict.fromkeys(["--model", "--data", "--max-samples", "--dev-ratio", "--seed", "--no-shuffle",
+                     "--group-by-length", "--max-seq-len", "--batch-size", "--grad-accum", "--nprocs", "--nnodes",
+                     "--precision", "--zero-stage", "--offload", "--fabric-strategy"], REFUSED),
+    # Applied from the resumed step on: the rest. The learning rate is constant (no schedule to
+    # restore), so a new --lr is the user's choice for the steps to come, as after a loss spike;
+    # --lr and --weight-decay go into the restored optimizer, and a change is named.
+    # --deepspeed-config: what it sets of the refused ones is compared as those.
+    **dict.fromkeys(["--lr", "--weight-decay", "--dropout", "--epochs", "--max-steps", "--log-steps",
+                     "--eval-steps", "--save-steps", "--save-on-signal", "--resume", "--output-dir", "--device",
+                     "--num-workers", "--threads", "--gradient-checkpointing", "--compile", "--compile-mode",
+                     "--compile-dynamic", "--pad-to-multiple-of", "--tf32", "--profile", "--dist-timeout",
+                     "--local-rank", "--backend", "--node-rank", "--master-addr", "--master-port", "--gpu-ids",
+                     "--reshard-after-forward", "--fp16-allreduce", "--deepspeed-config", "--estimate-memory"],
+                    APPLIED),
+}
+# The optimizer's settings that come from APPLIED options, by parameter group: a resume puts them back
+# into the optimizer it restored.
+OPTIMIZER_OPTIONS = {"lr": "--lr", "weight_decay": "--weight-decay"}
+
+
 def meaning(trainer):
     """What a step of this run means: a checkpoint resumes only into a run where all of it is equal
     (the precision too: an fp16 run's checkpoint holds a gradient scaler, DeepSpeed's 16-bit weights)."""
     args, strategy = trainer.args, trainer.strategy
     return {"world_size": strategy.world_size, "batch_size_per_process": args.batch_size,
             "global_batch_size": trainer.global_batch_size, "gradient_accumulation_steps": args.grad_accum,
-            "data": str(Path(args.data).resolve()),
-            "max_samples": args.max_samples, "dev_ratio": args.dev_ratio, "seed": args.seed,
-            "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length, "model": trainer.model_name,
-            "precision": strategy.precision}
+            "data": str(Path(args.data).resolve()), "max_samples": args.max_samples, "dev_ratio": args.dev_ratio,
+            "seed": args.seed, "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length,
+            "max_seq_len": args.max_seq_len, "model": trainer.model_name, "precision": strategy.precision,
+            **strategy.checkpoint_layout()}
 
 
 def check_free_space(trainer):
@@ -67,30 +95,78 @@ def save(trainer, step):
 
 
 def resume(trainer):
-    """With --resume, restore the checkpoint in --output-dir and return its step (else 0). Rank 0
-    decides whether there is one; every process must be able to read it."""
+    """With --resume, restore the checkpoint in --output-dir (choose()) and return its step, else 0;
+    the APPLIED settings are this command line's. Rank 0 chooses; every process must be able to read
+    what it chose."""
     checkpoint, strategy = trainer.output_dir / "checkpoint", trainer.strategy
     if not trainer.args.resume:
         return 0
     with readable(checkpoint):
-        saved = strategy.checkpoint_meaning(checkpoint)
-    if not strategy.broadcast_object(saved is not None):
-        trainer.log(f"--resume: no checkpoint in {checkpoint}, starting from step 0")
+        mine = choose(strategy, checkpoint)
+    folder, saved, note, refusal = strategy.broadcast_object(mine)
+    if refusal:
+        raise UserError(refusal)
+    if folder is None:
+        trainer.log(f"--resume: no checkpoint in {checkpoint}{note or ''}, starting from step 0")
         return 0
-    if strategy.reduce_mean(torch.tensor(float(saved is not None), device=strategy.device)).item() < 1:
-        raise UserError(f"--resume: rank 0 found a checkpoint in {checkpoint} that another process cannot "
+    if strategy.reduce_mean(torch.tensor(float(mine[0] == folder), device=strategy.device)).item() < 1:
+        raise UserError(f"--resume: rank 0 found a checkpoint in {folder} that another process cannot "
                         "read: --output-dir must be on a filesystem every machine shares")
     differences = [f"{key} {saved.get(key)!r} (now {value!r})" for key, value in meaning(trainer).items()
                    if saved.get(key) != value]
     if differences:
-        raise UserError(f"--resume: the checkpoint in {checkpoint} was written with " + ", ".join(differences)
-                        + ": its step means other samples here. Resume with its settings, or remove it")
-    with readable(checkpoint):
-        state = strategy.load_state(trainer.model, trainer.optimizer, checkpoint)
+        raise UserError(f"--resume: the checkpoint in {folder} was written with " + ", ".join(differences)
+                        + ": here its step would mean other samples, numbers or files. Resume with its settings, "
+                        "or remove it")
+    chosen = [{key: group[key] for key in OPTIMIZER_OPTIONS} for group in trainer.optimizer.param_groups]
+    with readable(folder):
+        state = strategy.load_state(trainer.model, trainer.optimizer, folder)
     set_random_states(state["random_states"][strategy.rank])
     strategy.load_extra_state(state["strategy_state"])
-    trainer.log(f"--resume: continuing from step {state['step']} ({checkpoint})")
+    changes = apply_optimizer_settings(trainer.optimizer, chosen)
+    trainer.log(f"--resume: continuing from step {state['step']} ({folder})"
+                + "".join(f"; {part}" for part in [note, *changes] if part))
     return state["step"]
+
+
+def choose(strategy, checkpoint):
+    """(folder, its meaning, note, refusal): the checkpoint the last save made, else the newest complete
+    one, the note saying why. Without a complete one: refused where the last save's folder is there,
+    damaged (a folder with a checkpoint's files is never taken for an empty one); else none (folder
+    None), the note naming what an interrupted save left, which holds nothing to resume from."""
+    expected, *others = strategy.checkpoint_folders(checkpoint)
+    saved = strategy.checkpoint_meaning(expected)
+    if saved is not None:
+        return expected, saved, None, None
+    complete = [(found["step"], folder, found) for folder in others
+                if (found := strategy.checkpoint_meaning(folder)) is not None]
+    if complete:
+        _, folder, saved = max(complete, key=lambda candidate: candidate[0])
+        return folder, saved, f"{expected} is missing or incomplete: this is the newest complete checkpoint", None
+    if expected.is_dir() and any(expected.iterdir()):
+        return None, None, None, (f"--resume: {expected} holds an incomplete checkpoint and there is no complete "
+                                  "one: remove it to start from step 0")
+    left = [str(folder) for folder in saved_beside(checkpoint) if folder.is_dir() and any(folder.iterdir())]
+    return None, None, f" (only what an interrupted save left: {', '.join(left)})" if left else None, None
+
+
+def saved_beside(checkpoint):
+    """The checkpoint folder and the staging folders its saves write beside it: where a checkpoint may be."""
+    return [checkpoint, *sorted(checkpoint.parent.glob(f".{checkpoint.name}.*"))]
+
+
+def apply_optimizer_settings(optimizer, chosen):
+    """Put this command line's settings (`chosen`: OPTIMIZER_OPTIONS' values per parameter group, read
+    before the restore) back into the restored optimizer; returns each change, as "--lr 0.5 (the
+    checkpoint's 0.001)"."""
+    changes = []
+    for group, settings in zip(optimizer.param_groups, chosen):
+        for key, value in settings.items():
+            change = f"{OPTIMIZER_OPTIONS[key]} {value:g} (the checkpoint's {group[key]:g})"
+            if group[key] != value and change not in changes:
+                changes.append(change)
+            group[key] = value
+    return changes
 
 
 @contextlib.contextmanager
@@ -171,7 +247,8 @@ def write_training_state(folder, state):
 
 
 def read_meaning(path):
-    """The step and settings of the complete checkpoint in `path`, or None when there is none."""
+    """The step and settings of the complete checkpoint in `path` (meaning.json is written last), or None
+    when there is none."""
     return meaning_in(path) if (Path(path) / CHECKPOINT_FILE).is_file() else None
 
 

@@ -1,14 +1,20 @@
 """--save-steps / --resume for every strategy: a run that crashed and resumed ends with the weights
 of the run that never stopped, with dropout on and across an epoch boundary; a checkpoint resumes
 only into a run where its step means the same samples, and only where every process can read it."""
+import argparse
 import json
+import re
 import shutil
 import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
+import common
 from support import checkpoints, models
-from conftest import BIN, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_result, run, run_in_process
+from conftest import (BIN, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_curves, read_result, run,
+                      run_in_process)
 from test_bad_input import assert_clean_error
 
 # The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
@@ -68,8 +74,8 @@ def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_pat
     assert process.returncode != 0
     errors = [line for line in process.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: --resume: the checkpoint in {tmp_path / 'checkpoint'} was written with world_size 2 "
-                      "(now 3), global_batch_size 32 (now 48): its step means other samples here. Resume with its "
-                      "settings, or remove it"], process.stderr
+                      "(now 3), global_batch_size 32 (now 48): here its step would mean other samples, numbers or "
+                      "files. Resume with its settings, or remove it"], process.stderr
     if not models.LOCAL_MODEL_DIR.is_dir():
         assert process.stderr.count("using the TINY randomly") == 1
 
@@ -105,3 +111,94 @@ def test_a_truncated_checkpoint_is_named_in_one_line(tmp_path, crashed_run, dama
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     process = run_in_process([*RESUMABLE["single"]()[1:], *RESUME, "--resume", "--output-dir", str(tmp_path)])
     assert_clean_error(process, f"--resume: the checkpoint in {tmp_path / 'checkpoint'} cannot be read")
+
+
+def script_parsers(monkeypatch):
+    """The parser of every script that resumes (the Hugging Face one refuses --resume: transformers_setup),
+    caught where it parses, in this interpreter."""
+    parsers = []
+
+    def caught(parser, *args, **kwargs):
+        parsers.append(parser)
+        sys.exit(0)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    for script in sorted(ROOT.glob("*-cls.py")):
+        if script.name != "multi-gpu-transformers-cls.py":
+            assert run_in_process([script.name]).returncode == 0
+    monkeypatch.undo()
+    return parsers
+
+
+def another(value):
+    """A value of the same kind that differs from `value`."""
+    return not value if isinstance(value, bool) else 1 if value is None else value + type(value)("1")
+
+
+def test_every_option_is_restored_applied_or_refused_as_running_md_says(monkeypatch):
+    """checkpoints.ON_RESUME names each option of every script that resumes; meaning() (what a resume
+    must keep) changes with each refused option it reads from the command line and with no applied one;
+    docs/running.md's table says the same."""
+    parsers = script_parsers(monkeypatch)
+    options = {action.option_strings[0] for parser in parsers for action in parser._actions
+               if action.option_strings and action.dest != "help"}
+    assert options == set(checkpoints.ON_RESUME)
+    refused = {option for option, rule in checkpoints.ON_RESUME.items() if rule == checkpoints.REFUSED}
+    # Compared as the run resolves them: the model's name, the processes, the strategy's precision and layout.
+    resolved = {"--model", "--nprocs", "--nnodes", "--precision", "--zero-stage", "--offload", "--fabric-strategy"}
+    assert resolved <= refused
+
+    def run_with(args):
+        return SimpleNamespace(args=args, strategy=common.Strategy("cpu"), global_batch_size=32, model_name="tiny")
+    for parser in parsers:
+        args = parser.parse_args([])
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help" and action.option_strings[0] not in resolved:
+                changed = argparse.Namespace(**{**vars(args), action.dest: another(getattr(args, action.dest))})
+                differs = checkpoints.meaning(run_with(changed)) != checkpoints.meaning(run_with(args))
+                assert differs == (action.option_strings[0] in refused), action.option_strings[0]
+    page = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
+    table = {line.split("|")[1].strip(): set(re.findall(r"`(--[a-z0-9-]+)`", line))
+             for line in page.splitlines() if line.startswith("| ")}
+    assert table["refuses changing"] == refused
+    assert table["applies"] and table["applies"] <= set(checkpoints.ON_RESUME) - refused
+
+
+def test_a_resume_applies_a_new_learning_rate_and_names_it(tmp_path, crashed_run):
+    """The single run's step-8 checkpoint resumed for one step at --lr 0.5 --weight-decay 0.1, in this
+    interpreter: the step trains at 0.5 (the optimizer's rate, as the curves record it), not the
+    checkpoint's 0.001."""
+    shutil.copytree(crashed_run("single").output / "checkpoint", tmp_path / "checkpoint")
+    process = run_in_process([*RESUMABLE["single"]()[1:], *RESUME, "--resume", "--max-steps", "9", "--lr", "0.5",
+                              "--weight-decay", "0.1", "--output-dir", str(tmp_path)])
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert read_curves(tmp_path)["train/learning_rate"] == {9: 0.5}
+    assert (f"--resume: continuing from step 8 ({tmp_path / 'checkpoint'}); --lr 0.5 (the checkpoint's 0.001); "
+            "--weight-decay 0.1 (the checkpoint's 0.01)") in process.stdout
+    assert read_result(tmp_path)["learning_rate"] == 0.5
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_newest_complete_one_else_is_refused(tmp_path, crashed_run):
+    """The single run's checkpoint without its training state: refused while there is no other, never
+    taken for no checkpoint; beside a complete one (a save interrupted while swapping its staging in),
+    that one is resumed, and the line says why. What only an interrupted save left is named, and the
+    run starts over. In this interpreter, to step 8."""
+    saved = crashed_run("single").output / "checkpoint"
+    shutil.copytree(saved, tmp_path / "checkpoint")
+    (tmp_path / "checkpoint" / checkpoints.CHECKPOINT_FILE).unlink()
+    command = [*RESUMABLE["single"]()[1:], *RESUME, "--resume", "--max-steps", "8", "--output-dir", str(tmp_path)]
+    process = run_in_process(command)
+    assert_clean_error(process, f"--resume: {tmp_path / 'checkpoint'} holds an incomplete checkpoint and there is "
+                                "no complete one: remove it to start from step 0")
+    shutil.copytree(saved, tmp_path / ".checkpoint.old-1")
+    process = run_in_process(command)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert (f"--resume: continuing from step 8 ({tmp_path / '.checkpoint.old-1'}); {tmp_path / 'checkpoint'} is "
+            "missing or incomplete: this is the newest complete checkpoint") in process.stdout
+    assert read_result(tmp_path)["resumed_from_step"] == 8
+    shutil.rmtree(tmp_path / "checkpoint")
+    (tmp_path / ".checkpoint.old-1" / checkpoints.MEANING_FILE).unlink()
+    (tmp_path / ".checkpoint.old-1").rename(tmp_path / ".checkpoint.staging")
+    process = run_in_process(command)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert (f"--resume: no checkpoint in {tmp_path / 'checkpoint'} (only what an interrupted save left: "
+            f"{tmp_path / '.checkpoint.staging'}), starting from step 0") in process.stdout
