@@ -546,9 +546,10 @@ class Strategy:
                                           "optimizer": optimizer.state_dict(), **state})
 
     def checkpoint_folders(self, path):
-        """The folders that may hold the checkpoint of `path`: the one the last save made first, then
-        any other complete ones a save may leave (one interrupted while swapping its staging in)."""
-        return checkpoints.saved_beside(path)
+        """The folders that may hold the checkpoint of `path`: the one the last save made first, then any
+        others. One: a save killed while swapping its folder in was finished when the run claimed
+        --output-dir (files.clear_dead_staging)."""
+        return [path]
 
     def checkpoint_meaning(self, folder):
         """The step and settings of the complete checkpoint in `folder`, or None when there is none."""

@@ -146,13 +146,8 @@ def choose(strategy, checkpoint):
     if expected.is_dir() and any(expected.iterdir()):
         return None, None, None, (f"--resume: {expected} holds an incomplete checkpoint and there is no complete "
                                   "one: remove it to start from step 0")
-    left = [str(folder) for folder in saved_beside(checkpoint) if folder.is_dir() and any(folder.iterdir())]
+    left = [str(folder) for folder in others if folder.is_dir() and any(folder.iterdir())]
     return None, None, f" (only what an interrupted save left: {', '.join(left)})" if left else None, None
-
-
-def saved_beside(checkpoint):
-    """The checkpoint folder and the staging folders its saves write beside it: where a checkpoint may be."""
-    return [checkpoint, *sorted(checkpoint.parent.glob(f".{checkpoint.name}.*"))]
 
 
 def apply_optimizer_settings(optimizer, chosen):

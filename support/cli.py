@@ -303,7 +303,9 @@ def claim_output_dir(path):
     except OSError as error:  # read-only, not ours, or full: found now, not after the training
         raise UserError(f"--output-dir {path} is not writable: {error.strerror}") from None
     output_lock = lock, created
-    clear_dead_staging(path)
+    cleared = clear_dead_staging(path)
+    if cleared:
+        print(f"note: in {path}, what saves killed mid-write left: {'; '.join(cleared)}", flush=True)
 
 
 def lock_output_dir(path):

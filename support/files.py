@@ -27,7 +27,7 @@ def staged_dir(path):
 
 # What a save writes beside its target, named with its process id: .NAME.tmp-PID (the new contents) and
 # .NAME.old-PID (the old, being removed); .NAME.staging is a collective save's, named alike in every process.
-STAGED_NAME = re.compile(r"\.(.+)\.(?:(?:tmp|old)-(?P<pid>\d+)|staging)")
+STAGED_NAME = re.compile(r"\.(.+)\.(?:(?P<role>tmp|old)-(?P<pid>\d+)|staging)")
 
 
 def staged_name(path, role):
@@ -36,13 +36,26 @@ def staged_name(path, role):
 
 
 def clear_dead_staging(folder):
-    """Remove what saves left staged in `folder` when their process was killed mid-write (SIGKILL, a
+    """Clear what saves left staged in `folder` when their process was killed mid-write (SIGKILL, a
     power cut): staging named with a process that no longer runs on this machine, and a collective save's,
-    which only the run holding the folder writes. Its caller holds the folder's lock."""
-    for entry in Path(folder).iterdir():
+    which only the run holding the folder writes. A save killed between replace_dir's two renames is
+    finished first: its new contents were complete. Returns what it did, a phrase each. Its caller holds
+    the folder's lock."""
+    done = []
+    for entry in sorted(Path(folder).iterdir()):
         staged = STAGED_NAME.fullmatch(entry.name)
-        if staged and not (staged["pid"] and process_runs(int(staged["pid"]))):
+        if not staged or (staged["pid"] and process_runs(int(staged["pid"]))):
+            continue
+        target = entry.with_name(staged[1])
+        if staged["role"] == "old" and not target.exists():
+            new = [path for path in (entry.with_name(f".{target.name}.tmp-{staged['pid']}"),
+                                     entry.with_name(f".{target.name}.staging")) if path.exists()]
+            (new[0] if new else entry).rename(target)
+            done.append(f"finished the interrupted save of {target.name}")
+        if entry.exists():
             shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            done.append(f"removed {entry.name}")
+    return done
 
 
 def process_runs(pid):

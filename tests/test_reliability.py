@@ -204,7 +204,8 @@ def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(caps
 
 def test_the_next_run_in_a_folder_clears_the_staging_of_dead_runs(tmp_path):
     """What saves killed mid-write (SIGKILL) left beside their targets, 316 MB a checkpoint at base-shape,
-    goes with the next run into the folder; the staging of a process still running stays."""
+    goes with the next run into the folder; the staging of a process still running stays. A folder set
+    aside by a save killed before its new one was ready is put back."""
     from test_bad_input import assert_clean_error
     finished = subprocess.Popen(["true"])
     finished.wait()  # its pid names a process that no longer runs
@@ -216,4 +217,5 @@ def test_the_next_run_in_a_folder_clears_the_staging_of_dead_runs(tmp_path):
     (tmp_path / ".model.tmp-1").mkdir()  # pid 1, init: always running
     process = run_in_process(["single-gpu-cls.py", *SMALL, "--output-dir", tmp_path, "--data", "no-such-file.json"])
     assert_clean_error(process, "data file not found")
-    assert sorted(path.name for path in tmp_path.iterdir()) == [".model.tmp-1"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".model.tmp-1", "model"]
+    assert (tmp_path / "model" / "training_state.pt").read_bytes() == b"half a checkpoint"

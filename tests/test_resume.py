@@ -177,11 +177,11 @@ def test_a_resume_applies_a_new_learning_rate_and_names_it(tmp_path, crashed_run
     assert read_result(tmp_path)["learning_rate"] == 0.5
 
 
-def test_a_damaged_checkpoint_falls_back_to_the_newest_complete_one_else_is_refused(tmp_path, crashed_run):
-    """The single run's checkpoint without its training state: refused while there is no other, never
-    taken for no checkpoint; beside a complete one (a save interrupted while swapping its staging in),
-    that one is resumed, and the line says why. What only an interrupted save left is named, and the
-    run starts over. In this interpreter, to step 8."""
+def test_a_damaged_checkpoint_is_refused_and_a_killed_save_is_finished_or_cleared(tmp_path, crashed_run):
+    """The single run's checkpoint without its training state: refused, never taken for no checkpoint.
+    A save killed between its two renames (checkpoint/ moved aside, the new one staged whole) is finished
+    by the next run, which resumes from it; a killed save's half-written staging is removed, saying so.
+    In this interpreter, to step 8."""
     saved = crashed_run("single").output / "checkpoint"
     shutil.copytree(saved, tmp_path / "checkpoint")
     (tmp_path / "checkpoint" / checkpoints.CHECKPOINT_FILE).unlink()
@@ -189,16 +189,20 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_complete_one_else_is_refu
     process = run_in_process(command)
     assert_clean_error(process, f"--resume: {tmp_path / 'checkpoint'} holds an incomplete checkpoint and there is "
                                 "no complete one: remove it to start from step 0")
-    shutil.copytree(saved, tmp_path / ".checkpoint.old-1")
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = finished.pid  # names a process that no longer runs
+    (tmp_path / "checkpoint").rename(tmp_path / f".checkpoint.old-{dead}")
+    shutil.copytree(saved, tmp_path / f".checkpoint.tmp-{dead}")
     process = run_in_process(command)
     assert process.returncode == 0, process.stderr[-2000:]
-    assert (f"--resume: continuing from step 8 ({tmp_path / '.checkpoint.old-1'}); {tmp_path / 'checkpoint'} is "
-            "missing or incomplete: this is the newest complete checkpoint") in process.stdout
+    assert (f"what saves killed mid-write left: finished the interrupted save of checkpoint; removed "
+            f".checkpoint.old-{dead}") in process.stdout
+    assert f"--resume: continuing from step 8 ({tmp_path / 'checkpoint'})" in process.stdout
     assert read_result(tmp_path)["resumed_from_step"] == 8
     shutil.rmtree(tmp_path / "checkpoint")
-    (tmp_path / ".checkpoint.old-1" / checkpoints.MEANING_FILE).unlink()
-    (tmp_path / ".checkpoint.old-1").rename(tmp_path / ".checkpoint.staging")
+    (tmp_path / f".checkpoint.tmp-{dead}").mkdir()  # killed while writing its first checkpoint
     process = run_in_process(command)
     assert process.returncode == 0, process.stderr[-2000:]
-    assert (f"--resume: no checkpoint in {tmp_path / 'checkpoint'} (only what an interrupted save left: "
-            f"{tmp_path / '.checkpoint.staging'}), starting from step 0") in process.stdout
+    assert f"left: removed .checkpoint.tmp-{dead}" in process.stdout
+    assert f"--resume: no checkpoint in {tmp_path / 'checkpoint'}, starting from step 0" in process.stdout
