@@ -2,7 +2,9 @@
 import contextlib
 import errno
 import hashlib
+import itertools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -11,60 +13,86 @@ from types import SimpleNamespace
 
 import pytest
 
-from support import cli
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, free_port, require, run_in_process
+from support import checkpoints, cli
+from conftest import (BIN, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, free_port, require, run,
+                      run_in_process)
 
 
 def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+# Every launcher, at the global batch 32 of single_reference, shuffling and dropout off.
 LAUNCH = {
-    "torchrun": lambda: [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
-                         "multi-gpu-distributed-cls.py"],
-    "spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2"],
-    # The deepspeed command passes no signal on: its ranks must notice that it is gone.
-    "deepspeed": lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
-                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2"],
+    "python": lambda: [PYTHON, "single-gpu-cls.py", "--batch-size", "32"],
+    "python dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--gpu-ids", "0,1", "--batch-size", "32"],
+    "python spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "16"],
+    "torchrun": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
+                         "multi-gpu-distributed-cls.py", "--batch-size", "16"],
+    "torch.distributed.launch": lambda: [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+                                         "--master_port", free_port(), "multi-gpu-distributed-cls.py", "--batch-size", "16"],
+    "horovodrun": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
+                           PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "16"],
+    "deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
+                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--batch-size", "16"],
+    "accelerate launch": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
+                                  "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--batch-size", "16"],
+    "fabric run": lambda: [BIN / "fabric", "run", "--accelerator", "cpu", "--devices", "2", "--main-port", free_port(),
+                           "multi-gpu-fabric-cls.py", "--batch-size", "16"],
 }
+NEEDS = {"horovodrun": "horovod", "deepspeed": "deepspeed", "accelerate launch": "accelerate", "fabric run": "click"}
+# (launcher, signal, sent to the launcher alone or to its whole process group, the launcher's exit
+# status, whether the checkpoint is resumed): docs/running.md's table. Torch's elastic launcher
+# (torchrun, the legacy launch, accelerate launch, fabric run) passes SIGTERM on and dies of SIGUSR1,
+# deepspeed's command of both: their ranks stop with them. The group's DataLoader workers ignore both.
+SIGNALLED = [("python", "SIGTERM", "group", 2, True), ("python dataparallel", "SIGUSR1", "launcher", 2, False),
+             ("python spawn", "SIGUSR1", "launcher", 2, True), ("python spawn", "SIGTERM", "group", 2, False),
+             ("torchrun", "SIGTERM", "launcher", 1, False), ("torchrun", "SIGUSR1", "launcher", -10, False),
+             ("torch.distributed.launch", "SIGTERM", "group", 1, False), ("horovodrun", "SIGTERM", "launcher", 1, True),
+             ("deepspeed", "SIGTERM", "launcher", -15, True), ("deepspeed", "SIGUSR1", "group", -10, False),
+             ("accelerate launch", "SIGUSR1", "launcher", -10, False), ("fabric run", "SIGTERM", "group", 1, True)]
 
 
-def start_long_run(launch, output_dir):
-    command = [*LAUNCH[launch](), "--model", "tiny", "--max-samples", "8000", "--log-steps", "2",
-               "--no-group-by-length", "--device", "cpu", "--output-dir", str(output_dir)]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-
-
-@pytest.mark.parametrize("launch, how", [("torchrun", "sigterm-to-launcher"), ("torchrun", "ctrl-c-to-group"),
-                                         ("spawn", "sigterm-to-launcher"), ("deepspeed", "sigterm-to-launcher")])
-def test_interrupting_a_run_stops_every_process_and_keeps_the_previous_results(tmp_path, single_reference, launch,
-                                                                                how):
-    if launch == "deepspeed":
-        require("deepspeed")
+@pytest.mark.parametrize("launch, signal_name, to, status, resumed", SIGNALLED)
+def test_a_signal_saves_the_step_stops_every_process_and_resumes_to_the_single_device_weights(
+        tmp_path, single_reference, launch, signal_name, to, status, resumed):
+    """--save-on-signal, the signal sent once rank 0 trains slowly (tests/hooks.py), after step 3 of 11:
+    every process stops at the next step boundary with its checkpoint, the launcher with its status, no
+    process is left, the results of an earlier run in the folder are untouched; resumed, the run ends
+    with single_reference's weights."""
+    import hooks
+    if launch in NEEDS:
+        require(NEEDS[launch])
     for name in ("model", "result.json"):  # the results of an earlier run in the same folder
         (shutil.copytree if name == "model" else shutil.copy)(single_reference / name, tmp_path / name)
     before = digest(tmp_path)
-
-    launcher = start_long_run(launch, tmp_path)
+    command = [*LAUNCH[launch](), *SMALL, *EXACT, "--save-on-signal", "--output-dir", str(tmp_path)]
+    workers = ["--num-workers", "2"] if to == "group" else []
+    launcher = subprocess.Popen([*command, *workers], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", hooks.SLOW_AFTER_ENV: "3"})
     try:
-        for line in launcher.stdout:
-            if "【train】" in line:
-                break
-        else:
-            pytest.fail("the run ended before training started")
-        if how == "sigterm-to-launcher":
-            launcher.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(launcher.pid, signal.SIGINT)
-        launcher.communicate(timeout=60)
+        output = "".join(itertools.takewhile(lambda line: "slow from step 3" not in line, launcher.stdout))
+        number = getattr(signal, signal_name)
+        launcher.send_signal(number) if to == "launcher" else os.killpg(launcher.pid, number)
+        output += launcher.communicate(timeout=120)[0]
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
-    assert launcher.returncode != 0
     assert_no_process_left(str(tmp_path))
-    assert digest(tmp_path) == before, "the earlier model or result file changed"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
+    assert digest(tmp_path / "model") == digest(single_reference / "model"), "the earlier model changed"
+    assert digest(tmp_path)["result.json"] == before["result.json"]
+    stopped = re.findall(r"error: stopped by SIG\w+ after step (\d+): checkpoint saved in", output)
+    assert len(stopped) == 1 and 3 <= int(stopped[0]) < 11, output  # rank 0's one line
+    step = int(stopped[0])
+    assert [checkpoints.meaning_in(path.parent)["step"] for path in (tmp_path / "checkpoint").rglob(
+        checkpoints.MEANING_FILE)] == [step]  # whole or sharded (DeepSpeed's, in a folder of its step)
+    assert "failed" not in output and "killed by signal" not in output
+    assert launcher.returncode == status, output
+    if resumed:
+        process = run([*command, "--resume"])
+        assert f"--resume: continuing from step {step}" in process.stdout
+        assert_same_weights(single_reference / "model", tmp_path / "model")
 
 
 def test_ddp_script_started_without_its_launcher_says_how_to_launch_it():
@@ -145,7 +173,7 @@ def test_a_full_disk_during_a_sharded_checkpoint_is_named_and_keeps_the_previous
     import torch
     import torch.distributed.checkpoint as dcp
     from support import checkpoints
-    from support import cli
+    from support import checkpoints, cli
     with mounted_tmpfs(tmp_path):
         state = {"step": 1, "meaning": {}}
         with checkpoints.staged_checkpoint(tmp_path / "checkpoint", state, True, lambda: None) as staging:
@@ -162,7 +190,7 @@ def test_a_full_disk_during_a_whole_checkpoint_is_named_and_keeps_the_previous_o
     """torch.save's own error on a full disk ("unexpected pos ...") names neither."""
     import torch
     from support import checkpoints
-    from support import cli
+    from support import checkpoints, cli
     with mounted_tmpfs(tmp_path):
         checkpoints.save_whole(tmp_path / "checkpoint", {"step": 1, "meaning": {}, "weights": torch.zeros(1000)})
         before = digest(tmp_path)
@@ -175,7 +203,7 @@ def test_a_full_disk_during_a_deepspeed_step_removes_its_folder_and_latest_names
     """DeepSpeed writes `latest` last; its step folder is the part a failed save leaves (in one process:
     each rank's shard is a torch.save)."""
     import torch
-    from support import cli
+    from support import checkpoints, cli
     from libraries import deepspeed_setup
     with mounted_tmpfs(tmp_path):
         (tmp_path / "latest").write_text("step4", encoding="utf-8")
@@ -188,7 +216,7 @@ def test_a_full_disk_during_a_deepspeed_step_removes_its_folder_and_latest_names
 def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(capsys):
     """torch.distributed.checkpoint's CheckpointException is not an Exception."""
     from torch.distributed.checkpoint.api import CheckpointException
-    from support import cli
+    from support import checkpoints, cli
 
     def main():
         raise CheckpointException("load failed", {0: (OSError(errno.EIO, "I/O error"), None)})
