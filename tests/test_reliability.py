@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from support import checkpoints, cli
+from support.launch import STOP_SIGNALS
 from conftest import (BIN, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, free_port, require, run,
                       run_in_process)
 
@@ -95,6 +96,23 @@ def test_a_signal_saves_the_step_stops_every_process_and_resumes_to_the_single_d
         assert_same_weights(single_reference / "model", tmp_path / "model")
 
 
+def test_a_signal_after_the_last_step_lets_the_run_finish_its_evaluation_and_model():
+    """The final evaluation and save keep --save-on-signal's handler: a signal then is said, not fatal."""
+    logged, fatal, callback = [], [], checkpoints.SaveOnSignal()
+    trainer = SimpleNamespace(log=logged.append)
+    # Before training, cli.run's handlers, which end the run: here they note it.
+    handlers = {number: signal.signal(number, lambda number, frame: fatal.append(number)) for number in STOP_SIGNALS}
+    try:
+        callback.on_train_begin(trainer)
+        callback.on_train_end(trainer)
+        os.kill(os.getpid(), signal.SIGUSR1)  # during the final evaluation
+        callback.on_result(trainer, {})
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    assert fatal == [] and logged == ["SIGUSR1 came after the last step: the run finishes before it stops"]
+
+
 def test_ddp_script_started_without_its_launcher_says_how_to_launch_it():
     process = run_in_process(["multi-gpu-distributed-cls.py", *SMALL])
     assert process.returncode == 2
@@ -173,7 +191,7 @@ def test_a_full_disk_during_a_sharded_checkpoint_is_named_and_keeps_the_previous
     import torch
     import torch.distributed.checkpoint as dcp
     from support import checkpoints
-    from support import checkpoints, cli
+    from support import cli
     with mounted_tmpfs(tmp_path):
         state = {"step": 1, "meaning": {}}
         with checkpoints.staged_checkpoint(tmp_path / "checkpoint", state, True, lambda: None) as staging:
@@ -190,7 +208,7 @@ def test_a_full_disk_during_a_whole_checkpoint_is_named_and_keeps_the_previous_o
     """torch.save's own error on a full disk ("unexpected pos ...") names neither."""
     import torch
     from support import checkpoints
-    from support import checkpoints, cli
+    from support import cli
     with mounted_tmpfs(tmp_path):
         checkpoints.save_whole(tmp_path / "checkpoint", {"step": 1, "meaning": {}, "weights": torch.zeros(1000)})
         before = digest(tmp_path)
@@ -203,7 +221,7 @@ def test_a_full_disk_during_a_deepspeed_step_removes_its_folder_and_latest_names
     """DeepSpeed writes `latest` last; its step folder is the part a failed save leaves (in one process:
     each rank's shard is a torch.save)."""
     import torch
-    from support import checkpoints, cli
+    from support import cli
     from libraries import deepspeed_setup
     with mounted_tmpfs(tmp_path):
         (tmp_path / "latest").write_text("step4", encoding="utf-8")
@@ -216,7 +234,7 @@ def test_a_full_disk_during_a_deepspeed_step_removes_its_folder_and_latest_names
 def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(capsys):
     """torch.distributed.checkpoint's CheckpointException is not an Exception."""
     from torch.distributed.checkpoint.api import CheckpointException
-    from support import checkpoints, cli
+    from support import cli
 
     def main():
         raise CheckpointException("load failed", {0: (OSError(errno.EIO, "I/O error"), None)})
