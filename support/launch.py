@@ -80,8 +80,8 @@ def fabric_launcher():
 
 # ----------------------------------------------------------------------------- stopping
 
-# What a scheduler or a launcher sends to stop a job: SIGTERM (preemption, Ctrl-C's kin), SIGUSR1 (a
-# notice before the time limit). A training process's main thread alone decides what they do.
+# What a scheduler or a launcher sends to stop a job: SIGTERM (preemption, `kill`, a launcher passing
+# it on), SIGUSR1 (a notice before the time limit). A training process's main thread decides what they do.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends
 
@@ -89,7 +89,8 @@ PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent e
 def stop_with_the_launcher():
     """A launched process gets SIGTERM when its launcher ends, as if the launcher had passed one on:
     a launcher killed by a signal it does not handle (torchrun and SIGUSR1) would otherwise leave its
-    ranks training on as orphans. Linux only."""
+    ranks training on as orphans. Linux only: prctl's signal comes when the thread that started this
+    process ends, and every launcher here starts its ranks from its main thread."""
     if not sys.platform.startswith("linux"):
         return
     launcher = os.getppid()

@@ -38,7 +38,7 @@ class InjectedFailure(measure.Callback):
 
 class SlowSteps(measure.Callback):
     """After optimizer step `after`, each step takes a second more, in every process: a test that sends
-    a signal when rank 0 says so reaches the run during training, whatever the machine's load."""
+    a signal when rank 0 says so reaches the run during training, with seconds to spare on a busy machine."""
 
     def __init__(self, after):
         self.after = after

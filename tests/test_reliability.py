@@ -15,8 +15,8 @@ import pytest
 
 from support import checkpoints, cli
 from support.launch import STOP_SIGNALS
-from conftest import (BIN, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, free_port, require, run,
-                      run_in_process)
+from conftest import (BIN, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, free_port, require,
+                      run, run_in_process)
 
 
 def digest(folder):
@@ -31,13 +31,15 @@ LAUNCH = {
     "torchrun": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
                          "multi-gpu-distributed-cls.py", "--batch-size", "16"],
     "torch.distributed.launch": lambda: [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
-                                         "--master_port", free_port(), "multi-gpu-distributed-cls.py", "--batch-size", "16"],
+                                         "--master_port", free_port(), "multi-gpu-distributed-cls.py",
+                                         "--batch-size", "16"],
     "horovodrun": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
                            PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "16"],
     "deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
                           "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--batch-size", "16"],
     "accelerate launch": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
-                                  "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--batch-size", "16"],
+                                  "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py",
+                                  "--batch-size", "16"],
     "fabric run": lambda: [BIN / "fabric", "run", "--accelerator", "cpu", "--devices", "2", "--main-port", free_port(),
                            "multi-gpu-fabric-cls.py", "--batch-size", "16"],
 }
@@ -45,13 +47,16 @@ NEEDS = {"horovodrun": "horovod", "deepspeed": "deepspeed", "accelerate launch":
 # (launcher, signal, sent to the launcher alone or to its whole process group, the launcher's exit
 # status, whether the checkpoint is resumed): docs/running.md's table. Torch's elastic launcher
 # (torchrun, the legacy launch, accelerate launch, fabric run) passes SIGTERM on and dies of SIGUSR1,
-# deepspeed's command of both: their ranks stop with them. The group's DataLoader workers ignore both.
+# deepspeed's command of both: their ranks stop with them. DataLoader workers (WORKERS' group cases:
+# one process alone, one launched) leave both to their process.
 SIGNALLED = [("python", "SIGTERM", "group", 2, True), ("python dataparallel", "SIGUSR1", "launcher", 2, False),
              ("python spawn", "SIGUSR1", "launcher", 2, True), ("python spawn", "SIGTERM", "group", 2, False),
              ("torchrun", "SIGTERM", "launcher", 1, False), ("torchrun", "SIGUSR1", "launcher", -10, False),
              ("torch.distributed.launch", "SIGTERM", "group", 1, False), ("horovodrun", "SIGTERM", "launcher", 1, True),
              ("deepspeed", "SIGTERM", "launcher", -15, True), ("deepspeed", "SIGUSR1", "group", -10, False),
              ("accelerate launch", "SIGUSR1", "launcher", -10, False), ("fabric run", "SIGTERM", "group", 1, True)]
+
+WORKERS = {"python", "torch.distributed.launch"}
 
 
 @pytest.mark.parametrize("launch, signal_name, to, status, resumed", SIGNALLED)
@@ -68,7 +73,7 @@ def test_a_signal_saves_the_step_stops_every_process_and_resumes_to_the_single_d
         (shutil.copytree if name == "model" else shutil.copy)(single_reference / name, tmp_path / name)
     before = digest(tmp_path)
     command = [*LAUNCH[launch](), *SMALL, *EXACT, "--save-on-signal", "--output-dir", str(tmp_path)]
-    workers = ["--num-workers", "2"] if to == "group" else []
+    workers = ["--num-workers", "2"] if to == "group" and launch in WORKERS else []
     launcher = subprocess.Popen([*command, *workers], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", hooks.SLOW_AFTER_ENV: "3"})
