@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from support import checkpoints, cli, curves, measure, models, results
+from support import checkpoints, cli, curves, launch, measure, models, results
 from support.errors import UserError
 from support.machine import computes_natively, set_threads, use_attention_without_plans, use_tf32
 
@@ -269,7 +269,7 @@ def make_loader(dataset, args, tokenizer, batch_sampler):
     pin_memory = args.device != "cpu" and torch.cuda.is_available()
     collate = PadBatch(tokenizer.pad_token_id, args.pad_to_multiple_of or 1, args.max_seq_len)
     return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
-                      num_workers=args.num_workers, pin_memory=pin_memory,
+                      num_workers=args.num_workers, pin_memory=pin_memory, worker_init_fn=launch.ignore_stop_signals,
                       generator=torch.Generator().manual_seed(args.seed))
 
 

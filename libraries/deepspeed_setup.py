@@ -62,8 +62,9 @@ def import_deepspeed(device):
 def stop_with_the_launcher(local_rank):
     """The `deepspeed` command starts deepspeed.launcher.launch, which starts the ranks; a signal sent
     to the command alone (a `timeout`, a scheduler, a CI cancel) ends it but is not passed on, and the
-    ranks would train on. launch.py does pass SIGTERM on to every rank: local rank 0 watches for it
-    to lose its parent, the command, and then sends it one. (Started by anything else, nothing changes.)"""
+    ranks would train on (they stop with their parent, launch.py: support/launch.py). launch.py does
+    pass SIGTERM on to every rank: local rank 0 watches for it to lose its parent, the command, and
+    then sends it one. (Started by anything else, nothing changes.)"""
     if local_rank != 0:
         return
     import psutil  # a dependency of DeepSpeed's launcher

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import launch
 from .callbacks import Callback
 from .errors import UserError, describe, first_cause
 from .files import existing_parent, removed_on_failure, replace_dir, staged_dir, write_json
@@ -178,18 +179,18 @@ def readable(checkpoint):
 
 
 class SaveOnSignal(Callback):
-    """--save-on-signal: a scheduler's SIGTERM (preemption) or SIGUSR1 (a warning before the time limit)
-    while training ends the run at the end of a step, with a checkpoint of that step. The processes may
+    """--save-on-signal: a scheduler's SIGTERM (preemption) or SIGUSR1 (a warning before the time limit),
+    or a launcher's, ends the run at the end of a step, with a checkpoint of that step. The processes may
     get the signal at different steps: after each step they agree whether any did (one small all-reduce,
-    made only with this option), so that all save the same step. A callback of the Trainer's loop."""
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    made only with this option), so that all save the same step. After the last step the run finishes
+    (evaluation, model, result.json) instead: the handler stays to the end. A callback of the Trainer's loop."""
 
     def __init__(self):
-        self.received, self.previous = None, {}
+        self.received = None
 
     def on_train_begin(self, trainer):
-        for number in self.SIGNALS:
-            self.previous[number] = signal.signal(number, self.receive)
+        for number in launch.STOP_SIGNALS:
+            signal.signal(number, self.receive)
 
     def receive(self, number, frame):
         self.received = signal.Signals(number).name
@@ -202,9 +203,9 @@ class SaveOnSignal(Callback):
             raise UserError(f"stopped by {self.received or 'a signal to another process'} after step {step}: "
                             f"checkpoint saved in {trainer.output_dir / 'checkpoint'}; --resume continues from it")
 
-    def on_train_end(self, trainer):
-        for number, handler in self.previous.items():  # evaluation and saving stop at once again
-            signal.signal(number, handler)
+    def on_result(self, trainer, result):
+        if self.received:
+            trainer.log(f"{self.received} came after the last step: the run finishes before it stops")
 
 
 # ----------------------------------------------------------------------------- checkpoint files

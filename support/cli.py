@@ -19,6 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
+from . import launch
 from .errors import UserError, describe, first_cause
 from .files import clear_dead_staging, existing_parent
 from .launch import current_rank
@@ -39,8 +40,12 @@ def run(main):
     """Run `main()`, turning failures into one clear line on stderr and a non-zero exit."""
     import torch.distributed as dist  # for its rendezvous errors; every script has imported torch already
     rank = current_rank()
-    # SIGTERM (a scheduler or launcher stopping the job) unwinds like Ctrl-C: cleanup code runs.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM and SIGUSR1 (a scheduler or launcher stopping the job) unwind like Ctrl-C: cleanup code
+    # runs (--save-on-signal's handler takes over while training). A launched process stops with its launcher.
+    for number in launch.STOP_SIGNALS:
+        signal.signal(number, signal.default_int_handler)
+    if launch.launched():
+        launch.stop_with_the_launcher()
     try:
         main()
     except SystemExit:  # the script's own exit status stands

@@ -1,8 +1,11 @@
 """How a launcher (or Slurm's srun) told this process its place in the job: its rank, the world size,
-its local rank and the processes on its machine. Imports nothing heavy, as cli.py."""
+its local rank and the processes on its machine; and how the job stops. Imports nothing heavy, as cli.py."""
+import ctypes
 import os
 import re
+import signal
 import socket
+import sys
 
 from .errors import UserError
 
@@ -87,6 +90,34 @@ def fabric_launcher():
     if os.environ.get("LT_CLI_USED") == "1":
         return "fabric run"
     return "torchrun" if os.environ.get("TORCHELASTIC_RUN_ID") is not None else "python"
+
+
+# ----------------------------------------------------------------------------- stopping
+
+# What a scheduler or a launcher sends to stop a job: SIGTERM (preemption, `kill`, a launcher passing
+# it on), SIGUSR1 (a notice before the time limit). A training process's main thread decides what they do.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends
+
+
+def stop_with_the_launcher():
+    """A launched process gets SIGTERM when its launcher ends, as if the launcher had passed one on:
+    a launcher killed by a signal it does not handle (torchrun and SIGUSR1) would otherwise leave its
+    ranks training on as orphans. Linux only: prctl's signal comes when the thread that started this
+    process ends, and every launcher here starts its ranks from its main thread."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:  # it ended before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def ignore_stop_signals(worker_id=None):
+    """A DataLoader worker's worker_init_fn: the stop signals sent to the whole process group are the
+    training process's to handle; a worker they killed would end it with a traceback instead."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
 
 
 # ----------------------------------------------------------------------------- Slurm, no launcher

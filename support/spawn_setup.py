@@ -8,8 +8,9 @@ import time
 from .errors import UserError
 from .launch import refuse_a_port_in_use
 
-# Seconds the processes get to stop on their own (after a failure or a SIGTERM) before they are killed.
-SHUTDOWN_GRACE_SECONDS = 10
+# Seconds the other processes get to stop on their own after a failure before they are killed; and
+# after a SIGTERM, torchrun's 30: time for --save-on-signal's checkpoint.
+SHUTDOWN_GRACE_SECONDS, STOP_GRACE_SECONDS = 10, 30
 
 
 def add_launch_args(parser):
@@ -54,13 +55,16 @@ def free_port():
 def wait_for(processes, first_failure, args):
     """Wait for the processes of `mp.start_processes(..., join=False)`. If one fails, the others get a
     grace period, then are stopped, and the job ends naming the first rank that failed; if the job is
-    interrupted (Ctrl-C, or SIGTERM from a scheduler), they are stopped before the script exits."""
+    interrupted (Ctrl-C, or SIGTERM or SIGUSR1 from a scheduler), they are stopped before the script
+    exits, with their status 2 where they stopped after saving (--save-on-signal: they said so)."""
     import torch.multiprocessing as mp
     try:
         while not processes.join(grace_period=SHUTDOWN_GRACE_SECONDS):
             pass
     except KeyboardInterrupt:
         stop(processes.processes)
+        if 2 in [process.exitcode for process in processes.processes]:
+            raise SystemExit(2) from None
         raise
     except mp.ProcessExitedException as error:
         if error.exit_code == 2:  # a user error: the process has already said what to fix
@@ -74,7 +78,7 @@ def stop(processes):
     """End the processes as torchrun would: SIGTERM (they clean up as on Ctrl-C), then SIGKILL."""
     for process in processes:
         process.terminate()
-    deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():

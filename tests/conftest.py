@@ -59,6 +59,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # here. It delays each step's all-reduces by up to that, and changes no result.
 os.environ.setdefault("HOROVOD_CYCLE_TIME", "20")
 
+from support.launch import STOP_SIGNALS  # noqa: E402
 from support.spawn_setup import free_port  # noqa: E402  (a launch never meets the rendezvous of an earlier one)
 
 
@@ -99,7 +100,7 @@ def run_in_process(command, env=None):
     the two streams, with an uncaught exception's traceback on stderr as the interpreter prints it."""
     script, *args = map(str, command)
     stdout, stderr = io.StringIO(), io.StringIO()
-    saved = dict(os.environ), sys.argv, os.getcwd(), signal.getsignal(signal.SIGTERM)
+    saved = dict(os.environ), sys.argv, os.getcwd(), {number: signal.getsignal(number) for number in STOP_SIGNALS}
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch else None
     os.environ.update(env or {})
@@ -118,11 +119,12 @@ def run_in_process(command, env=None):
                 traceback.print_exc()
                 returncode = 1
     finally:
-        environment, sys.argv, cwd, sigterm = saved
+        environment, sys.argv, cwd, handlers = saved
         os.environ.clear()
         os.environ.update(environment)
         os.chdir(cwd)
-        signal.signal(signal.SIGTERM, sigterm)
+        for number, handler in handlers.items():  # cli.run installs its own
+            signal.signal(number, handler)
         if threads:
             sys.modules["torch"].set_num_threads(threads)
     return subprocess.CompletedProcess(command, returncode, stdout.getvalue(), stderr.getvalue())

@@ -1,19 +1,22 @@
 """The tests' hooks inside a training process, plugged in as the file SUITE_CALLBACKS names (conftest
 sets it for every run a test starts) and switched on by their own variables: a failure injected at a
 given step, to check that a failing rank ends the whole job and that --resume continues where a crash
-left off, and DDP's gradient all-reduces counted, to check that gradient accumulation all-reduces once
-per step."""
+left off; steps slowed down after a given one, so that a signal sent then lands during training; and
+DDP's gradient all-reduces counted, to check that gradient accumulation all-reduces once per step."""
 import os
+import time
 
 from support import measure
 
 FAIL_AT_ENV = "SUITE_FAIL_AT"  # "RANK:STEP": that rank fails right after that optimizer step
+SLOW_AFTER_ENV = "SUITE_SLOW_AFTER"  # "STEP": rank 0 says "slow from here", then every step takes a second more
 COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"  # count DDP's gradient all-reduces (result.json: gradient_allreduces)
 
 
 def callbacks(trainer):
     """The hooks this process's environment asks for, as callbacks of `trainer`."""
     asked = [InjectedFailure()] if os.environ.get(FAIL_AT_ENV) else []
+    asked += [SlowSteps(int(os.environ[SLOW_AFTER_ENV]))] if os.environ.get(SLOW_AFTER_ENV) else []
     allreduces = gradient_allreduce_count(trainer.model) if os.environ.get(COUNT_ALLREDUCES_ENV) else None
     return asked + ([allreduces] if allreduces else [])
 
@@ -31,6 +34,20 @@ class InjectedFailure(measure.Callback):
 
     def on_step_end(self, trainer, step):
         fail_if_asked(trainer.strategy.rank, step)
+
+
+class SlowSteps(measure.Callback):
+    """After optimizer step `after`, each step takes a second more, in every process: a test that sends
+    a signal when rank 0 says so reaches the run during training, with seconds to spare on a busy machine."""
+
+    def __init__(self, after):
+        self.after = after
+
+    def on_step_end(self, trainer, step):
+        if step == self.after and trainer.strategy.is_main:
+            print(f"slow from step {step}", flush=True)
+        if step >= self.after:
+            time.sleep(1)
 
 
 class GradientAllReduceCount(measure.Callback):

@@ -10,6 +10,7 @@ import transformers
 
 import common
 from support import machine
+from support.launch import STOP_SIGNALS
 import hooks
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
                       free_port, predict_dev_accuracy, read_curves, read_result, require, run)
@@ -98,7 +99,7 @@ def test_deepspeed_through_training_arguments_ends_with_the_single_device_weight
 
 def test_what_the_trainer_cannot_do_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
     """Refused before any process group or model: run in this process, it costs no interpreter start."""
-    handler = signal.getsignal(signal.SIGTERM)  # cli.run installs its own
+    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}  # cli.run installs its own
     launched = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     try:
         for options, message, gpu_machine in (
@@ -121,5 +122,6 @@ def test_what_the_trainer_cannot_do_is_refused_in_one_line(monkeypatch, capsys, 
             assert stderr.strip().splitlines() == [stderr.strip().splitlines()[-1]]
             assert stderr.startswith(message), stderr
     finally:
-        signal.signal(signal.SIGTERM, handler)
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
     assert not any(tmp_path.iterdir())

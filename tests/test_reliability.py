@@ -2,7 +2,9 @@
 import contextlib
 import errno
 import hashlib
+import itertools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -11,60 +13,110 @@ from types import SimpleNamespace
 
 import pytest
 
-from support import cli
-from conftest import BIN, PYTHON, ROOT, SMALL, assert_no_process_left, free_port, require, run_in_process
+from support import checkpoints, cli
+from support.launch import STOP_SIGNALS
+from conftest import (BIN, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, free_port, require,
+                      run, run_in_process)
 
 
 def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+# Every launcher, at the global batch 32 of single_reference, shuffling and dropout off.
 LAUNCH = {
-    "torchrun": lambda: [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
-                         "multi-gpu-distributed-cls.py"],
-    "spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2"],
-    # The deepspeed command passes no signal on: its ranks must notice that it is gone.
-    "deepspeed": lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
-                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2"],
+    "python": lambda: [PYTHON, "single-gpu-cls.py", "--batch-size", "32"],
+    "python dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--gpu-ids", "0,1", "--batch-size", "32"],
+    "python spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "16"],
+    "torchrun": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
+                         "multi-gpu-distributed-cls.py", "--batch-size", "16"],
+    "torch.distributed.launch": lambda: [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+                                         "--master_port", free_port(), "multi-gpu-distributed-cls.py",
+                                         "--batch-size", "16"],
+    "horovodrun": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
+                           PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "16"],
+    "deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
+                          "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--batch-size", "16"],
+    "accelerate launch": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
+                                  "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py",
+                                  "--batch-size", "16"],
+    "fabric run": lambda: [BIN / "fabric", "run", "--accelerator", "cpu", "--devices", "2", "--main-port", free_port(),
+                           "multi-gpu-fabric-cls.py", "--batch-size", "16"],
 }
+NEEDS = {"horovodrun": "horovod", "deepspeed": "deepspeed", "accelerate launch": "accelerate", "fabric run": "click"}
+# (launcher, signal, sent to the launcher alone or to its whole process group, the launcher's exit
+# status, whether the checkpoint is resumed): docs/running.md's table. Torch's elastic launcher
+# (torchrun, the legacy launch, accelerate launch, fabric run) passes SIGTERM on and dies of SIGUSR1,
+# deepspeed's command of both: their ranks stop with them. DataLoader workers (WORKERS' group cases:
+# one process alone, one launched) leave both to their process.
+SIGNALLED = [("python", "SIGTERM", "group", 2, True), ("python dataparallel", "SIGUSR1", "launcher", 2, False),
+             ("python spawn", "SIGUSR1", "launcher", 2, True), ("python spawn", "SIGTERM", "group", 2, False),
+             ("torchrun", "SIGTERM", "launcher", 1, False), ("torchrun", "SIGUSR1", "launcher", -10, False),
+             ("torch.distributed.launch", "SIGTERM", "group", 1, False), ("horovodrun", "SIGTERM", "launcher", 1, True),
+             ("deepspeed", "SIGTERM", "launcher", -15, True), ("deepspeed", "SIGUSR1", "group", -10, False),
+             ("accelerate launch", "SIGUSR1", "launcher", -10, False), ("fabric run", "SIGTERM", "group", 1, True)]
+
+WORKERS = {"python", "torch.distributed.launch"}
 
 
-def start_long_run(launch, output_dir):
-    command = [*LAUNCH[launch](), "--model", "tiny", "--max-samples", "8000", "--log-steps", "2",
-               "--no-group-by-length", "--device", "cpu", "--output-dir", str(output_dir)]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-
-
-@pytest.mark.parametrize("launch, how", [("torchrun", "sigterm-to-launcher"), ("torchrun", "ctrl-c-to-group"),
-                                         ("spawn", "sigterm-to-launcher"), ("deepspeed", "sigterm-to-launcher")])
-def test_interrupting_a_run_stops_every_process_and_keeps_the_previous_results(tmp_path, single_reference, launch,
-                                                                                how):
-    if launch == "deepspeed":
-        require("deepspeed")
+@pytest.mark.parametrize("launch, signal_name, to, status, resumed", SIGNALLED)
+def test_a_signal_saves_the_step_stops_every_process_and_resumes_to_the_single_device_weights(
+        tmp_path, single_reference, launch, signal_name, to, status, resumed):
+    """--save-on-signal, the signal sent once rank 0 trains slowly (tests/hooks.py), after step 3 of 11:
+    every process stops at the next step boundary with its checkpoint, the launcher with its status, no
+    process is left, the results of an earlier run in the folder are untouched; resumed, the run ends
+    with single_reference's weights."""
+    import hooks
+    if launch in NEEDS:
+        require(NEEDS[launch])
     for name in ("model", "result.json"):  # the results of an earlier run in the same folder
         (shutil.copytree if name == "model" else shutil.copy)(single_reference / name, tmp_path / name)
-    before = digest(tmp_path)
-
-    launcher = start_long_run(launch, tmp_path)
+    command = [*LAUNCH[launch](), *SMALL, *EXACT, "--save-on-signal", "--output-dir", str(tmp_path)]
+    workers = ["--num-workers", "2"] if to == "group" and launch in WORKERS else []
+    launcher = subprocess.Popen([*command, *workers], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", hooks.SLOW_AFTER_ENV: "3"})
     try:
-        for line in launcher.stdout:
-            if "【train】" in line:
-                break
+        output = "".join(itertools.takewhile(lambda line: "slow from step 3" not in line, launcher.stdout))
+        if to == "launcher":
+            launcher.send_signal(getattr(signal, signal_name))
         else:
-            pytest.fail("the run ended before training started")
-        if how == "sigterm-to-launcher":
-            launcher.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(launcher.pid, signal.SIGINT)
-        launcher.communicate(timeout=60)
+            os.killpg(launcher.pid, getattr(signal, signal_name))
+        output += launcher.communicate(timeout=120)[0]
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
-    assert launcher.returncode != 0
     assert_no_process_left(str(tmp_path))
-    assert digest(tmp_path) == before, "the earlier model or result file changed"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json"]
+    assert digest(tmp_path / "model") == digest(single_reference / "model"), "the earlier model changed"
+    assert (tmp_path / "result.json").read_bytes() == (single_reference / "result.json").read_bytes()
+    stopped = re.findall(r"error: stopped by SIG\w+ after step (\d+): checkpoint saved in", output)
+    assert len(stopped) == 1 and 3 <= int(stopped[0]) < 11, output  # rank 0's one line
+    step = int(stopped[0])
+    assert [checkpoints.meaning_in(path.parent)["step"] for path in (tmp_path / "checkpoint").rglob(
+        checkpoints.MEANING_FILE)] == [step]  # whole or sharded (DeepSpeed's, in a folder of its step)
+    assert "failed" not in output and "killed by signal" not in output
+    assert launcher.returncode == status, output
+    if resumed:
+        process = run([*command, "--resume"])
+        assert f"--resume: continuing from step {step}" in process.stdout
+        assert_same_weights(single_reference / "model", tmp_path / "model")
+
+
+def test_a_signal_after_the_last_step_lets_the_run_finish_its_evaluation_and_model():
+    """The final evaluation and save keep --save-on-signal's handler: a signal then is said, not fatal."""
+    logged, fatal, callback = [], [], checkpoints.SaveOnSignal()
+    trainer = SimpleNamespace(log=logged.append)
+    # Before training, cli.run's handlers, which end the run: here they note it.
+    handlers = {number: signal.signal(number, lambda number, frame: fatal.append(number)) for number in STOP_SIGNALS}
+    try:
+        callback.on_train_begin(trainer)
+        callback.on_train_end(trainer)
+        os.kill(os.getpid(), signal.SIGUSR1)  # during the final evaluation
+        callback.on_result(trainer, {})
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    assert fatal == [] and logged == ["SIGUSR1 came after the last step: the run finishes before it stops"]
 
 
 def test_ddp_script_started_without_its_launcher_says_how_to_launch_it():
