@@ -1,7 +1,7 @@
 """Launching the rows: round-robin over the repeats, each launch in its own session with a timeout,
 its result.json summarised into a row of the report, and the matrix-product peaks the MFU needs."""
 import contextlib
-import ctypes
+import functools
 import json
 import os
 import shlex
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from support import cli, files, flops
+from support import cli, files, flops, launch
 
 from .options import not_runnable, script_options
 from .rows import (BATCH_FILES, CANNOT_SPAN_NODES, ROOT, STRATEGIES, launch_across_nodes, library_missing, relative,
@@ -120,24 +120,6 @@ def stop(process):
             time.sleep(0.1)
 
 
-# prctl's request to be sent a signal when the parent dies (linux/prctl.h).
-PR_SET_PDEATHSIG = 1
-
-
-def stop_with_the_runner():
-    """Popen's preexec_fn (Linux; elsewhere None): the launch is sent SIGTERM when this process dies, even
-    killed by SIGKILL, which leaves it no time to stop() the launch. The launchers pass SIGTERM on."""
-    if sys.platform != "linux":
-        return None
-    runner, libc = os.getpid(), ctypes.CDLL(None, use_errno=True)  # loaded before the fork, not in the child
-
-    def in_the_launch():
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != runner:  # the runner died before the request: nothing would send it
-            os.kill(os.getpid(), signal.SIGTERM)
-    return in_the_launch
-
-
 def group_runs(group):
     """Whether a process of `group` still runs: one that exited and waits for a parent to reap it (a
     zombie) does not, though signals still reach it."""
@@ -181,8 +163,10 @@ def launch_once(command, env, shown, run_dir, log_path, timeout):
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {shown}\n")
         log.flush()
+        # Its own session (out of reach of signals sent to ours), yet it ends with this runner, even a killed one.
+        with_the_runner = functools.partial(launch.stop_with_the_parent, os.getpid())
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=stop_with_the_runner())
+                                   stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=with_the_runner)
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -45,7 +45,7 @@ def run(main):
     for number in launch.STOP_SIGNALS:
         signal.signal(number, signal.default_int_handler)
     if launch.launched():
-        launch.stop_with_the_launcher()
+        launch.stop_with_the_parent()
     try:
         main()
     except SystemExit:  # the script's own exit status stands

@@ -98,18 +98,21 @@ def fabric_launcher():
 # it on), SIGUSR1 (a notice before the time limit). A training process's main thread decides what they do.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
 
 
-def stop_with_the_launcher():
-    """A launched process gets SIGTERM when its launcher ends, as if the launcher had passed one on:
-    a launcher killed by a signal it does not handle (torchrun and SIGUSR1) would otherwise leave its
-    ranks training on as orphans. Linux only: prctl's signal comes when the thread that started this
-    process ends, and every launcher here starts its ranks from its main thread."""
-    if not sys.platform.startswith("linux"):
+def stop_with_the_parent(parent=None):
+    """This process gets SIGTERM when its parent (pid `parent`, else its parent now) ends, as if the
+    parent had passed one on: a launcher killed by a signal it does not handle (torchrun and SIGUSR1),
+    or the runner killed outright, would otherwise leave its processes training on as orphans. Also a
+    Popen preexec_fn, given the parent's pid from before the fork. Linux only: prctl's signal comes when
+    the thread that started this process ends, and every launcher here starts its ranks from its main
+    thread."""
+    if LIBC is None:
         return
-    launcher = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != launcher:  # it ended before the call
+    parent = parent or os.getppid()
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it ended before the call: nothing would send the signal
         os.kill(os.getpid(), signal.SIGTERM)
 
 
