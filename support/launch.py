@@ -217,6 +217,8 @@ def refuse_a_port_in_use(port, option, remedy):
     """Where rank 0 hosts the rendezvous (not under torchrun, whose agent does): a port another program
     holds would keep the other processes waiting --dist-timeout seconds, then blaming the timeout."""
     with socket.socket() as probe:
+        # As the rendezvous binds: the previous run's closed connections (TIME_WAIT) do not hold the port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", port))
         except OSError:

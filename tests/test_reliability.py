@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from support import checkpoints, cli
+from support import checkpoints, cli, launch
 from support.launch import STOP_SIGNALS
 from conftest import (BIN, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, free_port, require,
                       run, run_in_process)
@@ -170,6 +170,21 @@ def test_spawn_refuses_a_master_port_in_use(script):
         "or leave it out to get a free one")
 
 
+def test_a_port_the_previous_run_just_closed_is_free_to_the_next(tmp_path):
+    """A resume right after its run, on the same --master_port: the old run's closed connections wait
+    in TIME_WAIT, which the rendezvous binds through (SO_REUSEADDR), so the check must too."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore listens
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)), listener.accept()[0]:
+            pass  # the rendezvous' side closes first: its end of the connection waits in TIME_WAIT
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("", port))  # the condition the check met
+    launch.refuse_a_port_in_use(port, "--master_port", "give the deepspeed command a free one")
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(folder, *options):
     """A small disk of its own at `folder` (the tests run as root), unmounted however the block ends."""
@@ -198,7 +213,7 @@ def test_a_full_disk_during_a_sharded_checkpoint_is_named_and_keeps_the_previous
     import torch
     import torch.distributed.checkpoint as dcp
     from support import checkpoints
-    from support import cli
+    from support import cli, launch
     with mounted_tmpfs(tmp_path):
         state = {"step": 1, "meaning": {}}
         with checkpoints.staged_checkpoint(tmp_path / "checkpoint", state, True, lambda: None) as staging:
