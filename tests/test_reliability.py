@@ -51,13 +51,13 @@ NEEDS = {"horovodrun": "horovod", "deepspeed": "deepspeed", "accelerate launch":
 # one process alone, one launched) leave both to their process.
 SIGNALLED = [("python", "SIGTERM", "group", 2, True), ("python dataparallel", "SIGUSR1", "launcher", 2, False),
              ("python spawn", "SIGUSR1", "launcher", 2, True), ("python spawn", "SIGTERM", "group", 2, False),
-             ("torchrun", "SIGTERM", "launcher", 1, False), ("torchrun", "SIGUSR1", "launcher", -10, False),
+             ("torchrun", "SIGTERM", "launcher", 1, True), ("torchrun", "SIGUSR1", "launcher", -10, False),
              ("torchrun", "SIGUSR1", "group", -10, False),
              ("torch.distributed.launch", "SIGTERM", "group", 1, False),
-             ("torch.distributed.launch", "SIGUSR1", "launcher", -10, False),
+             ("torch.distributed.launch", "SIGUSR1", "launcher", -10, True),
              ("horovodrun", "SIGTERM", "launcher", 1, True),  # its ranks run in a session of their own: no group
              ("deepspeed", "SIGTERM", "launcher", -15, True), ("deepspeed", "SIGUSR1", "group", -10, False),
-             ("accelerate launch", "SIGUSR1", "launcher", -10, False),
+             ("accelerate launch", "SIGUSR1", "launcher", -10, True),
              ("accelerate launch", "SIGTERM", "group", 1, False),
              ("fabric run", "SIGTERM", "group", 1, True), ("fabric run", "SIGTERM", "launcher", 1, False)]
 
