@@ -114,8 +114,8 @@ class DeepSpeed(common.TorchDistributed):
         return state
 
     def result_extras(self):
-        return {**self.checkpoint_layout(), "optimizer_steps": self.engine.global_steps, "deepspeed_config": self.config,
-                "reduce_bucket_bytes": deepspeed_setup.reduce_bucket_bytes(self.config)}
+        return {**self.checkpoint_layout(), "optimizer_steps": self.engine.global_steps,
+                "deepspeed_config": self.config, "reduce_bucket_bytes": deepspeed_setup.reduce_bucket_bytes(self.config)}
 
     def versions(self):
         import deepspeed

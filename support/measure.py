@@ -147,7 +147,8 @@ class ModelStateCount(Callback):
                           if isinstance(g, torch.Tensor)]
             if isinstance(getattr(zero, "grad_partitions_flat_buffer", None), torch.Tensor):
                 gradients.append(zero.grad_partitions_flat_buffer)
-        moments = [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+        moments = [value for state in optimizer.state.values() for value in state.values()
+                   if isinstance(value, torch.Tensor)]
         seen, self.blocks = {}, {}
         for kind, tensors in (("parameters", parameters), ("gradients", gradients),
                               ("optimizer_state", master_weights + moments)):
