@@ -143,4 +143,4 @@ def unsuccessful(rows):
 
 
 if __name__ == "__main__":
-    cli.run(main, alone=True)
+    cli.run(main)

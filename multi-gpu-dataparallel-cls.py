@@ -100,4 +100,4 @@ def main():
 
 
 if __name__ == "__main__":
-    cli.run(main, alone=True)  # never one of a group: a RANK around it makes it no rank 1
+    cli.run(main)

@@ -106,4 +106,4 @@ def train(args, rank, local_rank, first_failure):
 
 
 if __name__ == "__main__":
-    cli.run(main, alone=True)  # the parent: its processes (spawn) run in the group
+    cli.run(main)

@@ -91,4 +91,4 @@ def main():
 
 
 if __name__ == "__main__":
-    cli.run(main, alone=True)
+    cli.run(main)

@@ -154,4 +154,4 @@ def main():
 
 
 if __name__ == "__main__":
-    cli.run(main, alone=True)
+    cli.run(main)

@@ -36,11 +36,10 @@ MIN_SEQ_LEN = 3
 MIN_SAMPLES = 2
 
 
-def run(main, alone=False):
-    """Run `main()`, turning failures into one clear line on stderr and a non-zero exit. `alone`: the
-    script never runs in a group (launch.in_a_group), else its launch variables are checked first."""
+def run(main):
+    """Run `main()`, turning failures into one clear line on stderr and a non-zero exit; in a script that
+    runs in a group (launch.in_a_group), after checking its launch variables."""
     import torch.distributed as dist  # for its rendezvous errors; every script has imported torch already
-    launch.in_a_group = not alone
     # SIGTERM and SIGUSR1 (a scheduler or launcher stopping the job) unwind like Ctrl-C: cleanup code
     # runs (--save-on-signal's handler takes over while training). A launched process stops with its launcher.
     for number in launch.STOP_SIGNALS:
@@ -48,7 +47,7 @@ def run(main, alone=False):
     if launch.launched():
         launch.stop_with_the_parent()
     try:
-        if not alone:
+        if launch.in_a_group():
             launch.check_launch_variables()
         main()
     except SystemExit:  # the script's own exit status stands

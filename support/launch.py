@@ -1,11 +1,13 @@
 """How a launcher (or Slurm's srun) told this process its place in the job: its rank, the world size,
 its local rank and the processes on its machine; and how the job stops. Imports nothing heavy, as cli.py."""
 import ctypes
+import multiprocessing
 import os
 import re
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from .errors import UserError
 
@@ -25,10 +27,11 @@ LAUNCH_VARIABLES = {
                      "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"], (1, None)),
     "MASTER_PORT": (1, 65535),
 }
-# Whether this process may be one of a group a launcher started. The scripts that always run alone (single,
-# DataParallel, the spawn scripts' parent, predict.py, the runner) say they do (cli.run(main, alone=True)):
-# a RANK their environment holds, left by a shell or a job script, names no group, and they are rank 0.
-in_a_group = True
+# The scripts that always run alone: one process (single, DataParallel), the spawn scripts' parent (the
+# processes it starts run in the group), predict.py, the runner and its one-process microbenchmarks. A
+# RANK around them, left by a shell or a job script, names no group: they are rank 0 (in_a_group).
+ALONE = {"single-gpu-cls.py", "multi-gpu-dataparallel-cls.py", "multi-gpu-distributed-mp-cls.py",
+         "multi-gpu-distributed-mp-amp-cls.py", "predict.py", "benchmark.py", "matmul_peak.py", "pipeline.py"}
 
 
 def launch_variable(name, default=None):
@@ -48,6 +51,12 @@ def launch_variable(name, default=None):
     return number
 
 
+def in_a_group():
+    """Whether this process may be one of a group a launcher started: any script but those that run ALONE,
+    and a process the spawn scripts start (multiprocessing's child)."""
+    return Path(sys.argv[0]).name not in ALONE or multiprocessing.parent_process() is not None
+
+
 def check_launch_variables():
     """Every launch variable set here, by launch_variable's rule: before any work of a script that runs in
     a group (a script alone reads none of them)."""
@@ -59,7 +68,7 @@ def current_rank():
     """This process's rank: rank 0 speaks for all and writes --output-dir. A process alone in its world
     is rank 0 whatever rank its environment names: no other process would speak or write for it; so is
     a script that always runs alone (in_a_group)."""
-    if not in_a_group:
+    if not in_a_group():
         return 0
     for rank, size in RANK_VARIABLES:
         if rank in os.environ:
