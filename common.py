@@ -88,8 +88,9 @@ def load_records(path):
         text, label = normalize_text(record[0]), record[1]
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(LABELS):
             raise UserError(f"{path}: record {index} has label {label!r}; labels are integers 0-{len(LABELS) - 1}")
-        if all(unicodedata.category(character).startswith("C") for character in text):  # the tokenizer drops them
-            raise UserError(f"{path}: record {index} has an empty text (only spaces or control characters)")
+        if empty_text(text):
+            raise UserError(f"{path}: record {index} has an empty text (only spaces, control or zero-width "
+                            "characters)")
         records.append((text, label))
     return records
 
@@ -97,6 +98,12 @@ def load_records(path):
 def normalize_text(text):
     """Texts come word-segmented with spaces; BERT's Chinese tokenizer wants the characters joined."""
     return "".join(text.split())
+
+
+def empty_text(text):
+    """Whether `text` holds nothing the tokenizer keeps: only spaces, control or format characters (the
+    zero-width ones). The one rule by which training and predict.py refuse a text as empty."""
+    return all(unicodedata.category(character).startswith("C") for character in normalize_text(text))
 
 
 def split_records(records, max_samples, dev_ratio, seed):

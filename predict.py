@@ -16,10 +16,17 @@ import common
 from support import cli
 
 
+# A tokenizer's vocabulary, as save_pretrained writes it (the fast tokenizer's file, or the WordPiece list).
+VOCABULARY_FILES = ("tokenizer.json", "vocab.txt")
+
+
 def load_checkpoint(path):
     path = Path(path)
     if not (path / "config.json").is_file():
         raise cli.UserError(f"no saved model at {path} (expected the model/ folder a training run writes)")
+    if not any((path / name).is_file() for name in VOCABULARY_FILES):  # else every character is [UNK]
+        raise cli.UserError(f"the model at {path} has no tokenizer ({' or '.join(VOCABULARY_FILES)}): copy the whole "
+                            "model/ folder a training run writes")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(path)
@@ -31,8 +38,9 @@ def load_checkpoint(path):
 def read_texts(args):
     texts = list(args.texts)
     for number, text in enumerate(texts, 1):
-        if not text.strip():
-            raise cli.UserError(f"text {number} of the arguments is empty: nothing to classify")
+        if common.empty_text(text):  # as training refuses it
+            raise cli.UserError(f"text {number} of the arguments is empty (only spaces, control or zero-width "
+                                "characters): nothing to classify")
     if args.file:
         path = Path(args.file)
         if not path.is_file():
@@ -42,6 +50,10 @@ def read_texts(args):
         except UnicodeDecodeError as error:
             raise cli.UserError(f"{path} is not UTF-8 text (one text per line): {error}") from None
         texts += [line.strip() for line in lines if line.strip()]
+        empty = [number for number, line in enumerate(lines, 1) if line.strip() and common.empty_text(line)]
+        if empty:
+            raise cli.UserError(f"{path}: line {empty[0]} holds only control or zero-width characters: nothing "
+                                "to classify")
     if not texts:
         raise cli.UserError("no text to classify: give texts as arguments or --file")
     return texts

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv if needed, then runs the main job: every strategy, one comparison table.
-# Extra arguments go to benchmark.py (see --help).
+# Extra arguments go to benchmark.py (see --help); relative paths in them are the caller's folder's.
 set -euo pipefail
-cd "$(dirname "$0")"
-bash scripts/setup-env.sh
-exec .venv/bin/python benchmark.py "$@"
+root="$(cd "$(dirname "$0")" && pwd)"
+(cd "$root" && bash scripts/setup-env.sh)
+exec "$root/.venv/bin/python" "$root/benchmark.py" "$@"

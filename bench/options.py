@@ -4,6 +4,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import re
 import shlex
 from pathlib import Path
@@ -113,6 +114,34 @@ def add_script_options(parser):
                              "hf-trainer runs transformers' own loop and is not profiled)")
 
 
+# The scripts' options that name a file or folder. The runner launches every script in the repository,
+# so a relative path is made absolute first, against the folder the runner was started in, as its user
+# meant it. --model names a folder only where one is there (else a keyword or a hub id).
+PATH_OPTIONS = ("--data", "--deepspeed-config", "--model")
+MODEL_KEYWORDS = ("auto", "tiny", "base-shape")
+
+
+def user_path(option, value):
+    """`value` of the path option `option` as an absolute path."""
+    if value is None or option == "--model" and (value in MODEL_KEYWORDS or not Path(value).expanduser().exists()):
+        return value
+    return os.path.abspath(Path(value).expanduser())
+
+
+def user_paths(options):
+    """The options passed on to the scripts, with the value of each PATH_OPTIONS one (`--data X` or
+    `--data=X`) made absolute by user_path."""
+    resolved = []
+    for index, option in enumerate(options):
+        name, equals, value = option.partition("=")
+        if index and options[index - 1] in PATH_OPTIONS:
+            option = user_path(options[index - 1], option)
+        elif equals and name in PATH_OPTIONS:
+            option = f"{name}={user_path(name, value)}"
+        resolved.append(option)
+    return resolved
+
+
 def split_assignment(value, separator):
     name, found, rest = value.partition(separator)
     if not found or not name.strip():
@@ -129,7 +158,7 @@ def parse_variant(value):
                             'zero3-cpu-adam=deepspeed:"--zero-stage 3 --offload optimizer"')
     if strategy not in STRATEGIES:
         raise cli.UserError(f"--variant {name}: unknown strategy {strategy}; choose from {','.join(STRATEGIES)}")
-    return Variant(name, strategy, tuple(shlex.split(options)), "from the command line")
+    return Variant(name, strategy, tuple(user_paths(shlex.split(options))), "from the command line")
 
 
 def parse_strategy_args(values):
@@ -140,7 +169,7 @@ def parse_strategy_args(values):
         if strategy not in STRATEGIES:
             raise cli.UserError(f"--strategy-args {value!r}: write STRATEGY=\"OPTIONS\" with a strategy from "
                                 f"{','.join(STRATEGIES)}")
-        chosen[strategy] = chosen.get(strategy, []) + shlex.split(options)
+        chosen[strategy] = chosen.get(strategy, []) + user_paths(shlex.split(options))
     return chosen
 
 
@@ -166,6 +195,7 @@ def names(option, value, known):
 
 
 def check_runner_args(args, passthrough, default_nprocs, gpus=0):
+    passthrough, args.model = user_paths(passthrough), user_path("--model", args.model)
     if args.real_size:
         apply_real_size(args, default_nprocs, gpus)
     args.batch_sizes = parse_counts(str(args.batch_size), "--batch-size", "batch size") if args.batch_size else [None]
@@ -220,7 +250,7 @@ def script_data(passthrough):
     except ValueError:
         dev_ratio = SCRIPT_DEV_RATIO  # the scripts refuse it, in one line
     try:
-        records = len(json.loads((ROOT / known.data).read_text(encoding="utf-8")))
+        records = len(json.loads(Path(known.data).read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):
         records = None
     return dev_ratio, records

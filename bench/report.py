@@ -67,6 +67,28 @@ def speedup_cell(row):
     return f"{row['speedup']:.2f}x" + (" ~" if row["indistinguishable_from"] else "")
 
 
+# A row whose processes lacked this share or more of the cores they asked for, other work holding them,
+# was starved: the table and the header say so, and by how much (run.machine_share's figures).
+STARVED = 0.1
+
+
+def starved(row):
+    """The row's machine_share where it was starved, else None."""
+    share = row.get("machine_share")
+    return share if share and (share.get("starved") or 0) >= STARVED else None
+
+
+def starved_note(share):
+    return (f"starved: other work held {share['other_cores']:.1f} cores, the row lacked {share['starved']:.0%} of "
+            f"the {share['threads']} it asked for; its CPU time {share['cpu_share']:.0%} of wall x threads, load "
+            f"{share['load_before']:.1f} -> {share['load_after']:.1f}")
+
+
+def status_cell(row):
+    share = starved(row)
+    return f"ok, {starved_note(share)}" if share else "ok"
+
+
 def main_cells(row, repeat):
     if row["status"] != "ok":
         reason = row["reason"] or "not run yet"
@@ -74,7 +96,7 @@ def main_cells(row, repeat):
         return [row["row"]] + [""] * (len(MAIN_COLUMNS) - 2) + [f"{row['status']}: {reason}"]
     return [row_label(row), str(row["processes"]), precision_label(row), global_batch_label(row),
             spread(row, "train_seconds", repeat), f"{row['samples_per_second']:.1f}", speedup_cell(row),
-            f"{row['dev_accuracy']:.4f}", str(row["dev_samples"]), "ok"]
+            f"{row['dev_accuracy']:.4f}", str(row["dev_samples"]), status_cell(row)]
 
 
 def global_batch_label(row):
@@ -183,6 +205,10 @@ def header_lines(report):
                      "significant")
     if oversubscription_note(report):
         lines.append(oversubscription_note(report))
+    hungry = [row["row"] for row in report["rows"] if row["status"] == "ok" and starved(row)]
+    if hungry:
+        lines.append(f"note: other work on this machine took CPU from {', '.join(hungry)} (status: starved, by how "
+                     "much): their times and the speed-ups with them are skewed; run again on an idle machine")
     return lines
 
 

@@ -4,6 +4,7 @@ import contextlib
 import functools
 import json
 import os
+import resource
 import shlex
 import signal
 import statistics
@@ -11,11 +12,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from tqdm import tqdm
 
 from support import cli, files, flops, launch
 
+from . import report
 from .options import not_runnable, script_options
 from .rows import (BATCH_FILES, CANNOT_SPAN_NODES, ROOT, STRATEGIES, launch_across_nodes, library_missing, relative,
                    why_not_ready)
@@ -100,8 +103,9 @@ def launch_cell(args, cell, model, gpus):
         files.write_json(run_dir / f"result-{len(cell['runs']) + 1}.json", result)
     cell["runs"].append({**result, "wall_seconds": round(wall, 2), "launch_command": cell["command"]})
     cell["status"] = "ok"
+    starved = report.starved(result)  # said as it happens, and in the table
     return (f"ok, {result['train_seconds']:.1f} s training, {wall:.1f} s wall, "
-            f"dev accuracy {result['dev_accuracy']:.4f}")
+            f"dev accuracy {result['dev_accuracy']:.4f}" + (f"; {report.starved_note(starved)}" if starved else ""))
 
 
 def stop(process):
@@ -152,13 +156,50 @@ def failure_reason(log_path):
     return lines[-1] if lines else "no output"
 
 
+class CpuTimes(NamedTuple):
+    """A moment of the machine, for what the launches between two of them got: the machine's busy CPU
+    seconds (/proc/stat; None without it), this runner's own and its finished children's (a launch's
+    processes, once reaped), and the 1-minute load average."""
+    busy: float | None
+    runner: float
+    children: float
+    load: float
+
+    @classmethod
+    def now(cls):
+        busy = None
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # user nice system idle iowait irq softirq steal ...: all but idle and iowait is busy.
+            ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+            busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+        runner, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return cls(busy, runner.ru_utime + runner.ru_stime, children.ru_utime + children.ru_stime, os.getloadavg()[0])
+
+
+def machine_share(before, after, wall, result):
+    """How the machine was shared during a launch of `wall` seconds that wrote `result`: the CPU seconds
+    its processes got against wall x the threads they asked for (world size x threads, at most the
+    cores), the load before and after, the cores other work held on average, and the share of the
+    asked cores it lacked for them (`starved`, 0 when it had them all)."""
+    cores = os.cpu_count() or 1
+    asked = min(result["world_size"] * result["threads_per_process"], cores)
+    used = after.children - before.children
+    share = {"cpu_seconds": round(used, 1), "threads": asked, "cpu_share": round(used / (wall * asked), 3),
+             "load_before": round(before.load, 2), "load_after": round(after.load, 2), "other_cores": None,
+             "starved": None}
+    if before.busy is not None and after.busy is not None:
+        other = max(0.0, after.busy - before.busy - used - (after.runner - before.runner)) / wall
+        share.update(other_cores=round(other, 2), starved=round(max(0.0, 1 - (cores - other) / asked), 3))
+    return share
+
+
 def launch_once(command, env, shown, run_dir, log_path, timeout):
     """Run one launch (`command` with the variables `env`, `shown` as a shell line) to its end; returns
-    (result dict or None, wall seconds, reason of a failure)."""
+    (result dict or None, wall seconds, reason of a failure). The result holds machine_share's figures."""
     result_file = run_dir / "result.json"
     result_file.unlink(missing_ok=True)  # a failed launch must never report an earlier run's result
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    started = time.time()
+    started, before = time.time(), CpuTimes.now()
     start = time.perf_counter()
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {shown}\n")
@@ -175,7 +216,7 @@ def launch_once(command, env, shown, run_dir, log_path, timeout):
         except BaseException:
             stop(process)
             raise
-    wall = time.perf_counter() - start
+    wall, after = time.perf_counter() - start, CpuTimes.now()
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ # exit status {code}, {wall:.1f} s wall\n")
     if code is None:
@@ -184,7 +225,8 @@ def launch_once(command, env, shown, run_dir, log_path, timeout):
         return None, wall, f"exit status {code}: {failure_reason(log_path)}"
     if not result_file.is_file() or result_file.stat().st_mtime < started:
         return None, wall, f"exit status 0 but no fresh {relative(result_file)}"
-    return json.loads(result_file.read_text(encoding="utf-8")), wall, None
+    result = json.loads(result_file.read_text(encoding="utf-8"))
+    return {**result, "machine_share": machine_share(before, after, wall, result)}, wall, None
 
 
 # What each row's result.json says of its pace against the limit (measure.Throughput).
@@ -237,6 +279,7 @@ def summarize(cell):
         "model_state_formula_bytes": chosen.get("model_state_formula_bytes"),
         "profile": chosen.get("profile"),
         "train_loss_curve": chosen.get("train_loss_curve"),
+        "machine_share": chosen.get("machine_share"),
         **{key: chosen.get(key) for key in THROUGHPUT_FIELDS},
     }
 

@@ -19,6 +19,9 @@ class Callback:
     def on_step_end(self, trainer, step):
         """Optimizer step `step` (counted from 1, from the checkpoint's step on --resume) is taken."""
 
+    def on_save(self, trainer, step):
+        """A training checkpoint of `step` is about to be written (every process: a collective point)."""
+
     def on_train_end(self, trainer):
         """After the last step."""
 

@@ -6,6 +6,7 @@ import json
 import random
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -61,14 +62,20 @@ OPTIMIZER_OPTIONS = {"lr": "--lr", "weight_decay": "--weight-decay"}
 
 def meaning(trainer):
     """What a step of this run means: a checkpoint resumes only into a run where all of it is equal
-    (the precision too: an fp16 run's checkpoint holds a gradient scaler, DeepSpeed's 16-bit weights)."""
+    (the precision too: an fp16 run's checkpoint holds a gradient scaler, DeepSpeed's 16-bit weights),
+    and only into the script that wrote it (its files are its strategy's)."""
     args, strategy = trainer.args, trainer.strategy
-    return {"world_size": strategy.world_size, "batch_size_per_process": args.batch_size,
+    return {"script": script_name(), "world_size": strategy.world_size, "batch_size_per_process": args.batch_size,
             "global_batch_size": trainer.global_batch_size, "gradient_accumulation_steps": args.grad_accum,
             "data": str(Path(args.data).resolve()), "max_samples": args.max_samples, "dev_ratio": args.dev_ratio,
             "seed": args.seed, "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length,
             "max_seq_len": args.max_seq_len, "model": trainer.model_name, "precision": strategy.precision,
             **strategy.checkpoint_layout()}
+
+
+def script_name():
+    """The file name of the script this process runs, as result.json's command names it."""
+    return Path(sys.argv[0]).name
 
 
 def check_free_space(trainer):
@@ -89,6 +96,7 @@ def check_free_space(trainer):
 def save(trainer, step):
     """Write the training checkpoint of `step` into <output-dir>/checkpoint, the strategy's way."""
     strategy = trainer.strategy
+    trainer.notify("on_save", step)  # what the curves hold so far goes to disk with it
     state = {"step": step, "meaning": meaning(trainer),
              "random_states": strategy.gather_objects(random_states(strategy.gpus_in_use())),
              "strategy_state": strategy.extra_state()}
@@ -98,7 +106,10 @@ def save(trainer, step):
 def resume(trainer):
     """With --resume, restore the checkpoint in --output-dir (choose()) and return its step, else 0;
     the APPLIED settings are this command line's. Rank 0 chooses; every process must be able to read
-    what it chose."""
+    what it chose. What a resume checks, and refuses in one line before any training: the script that
+    wrote the checkpoint is this one (choose), its meaning.json is this run's meaning() in every
+    REFUSED setting, the training state it loads records the same (check_agrees), and every process
+    reads the folder rank 0 chose."""
     checkpoint, strategy = trainer.output_dir / "checkpoint", trainer.strategy
     if not trainer.args.resume:
         return 0
@@ -122,6 +133,7 @@ def resume(trainer):
     chosen = [{key: group[key] for key in OPTIMIZER_OPTIONS} for group in trainer.optimizer.param_groups]
     with readable(folder):
         state = strategy.load_state(trainer.model, trainer.optimizer, folder)
+    check_agrees(folder, saved, state)
     set_random_states(state["random_states"][strategy.rank])
     strategy.load_extra_state(state["strategy_state"])
     changes = apply_optimizer_settings(trainer.optimizer, chosen)
@@ -131,10 +143,14 @@ def resume(trainer):
 
 
 def choose(strategy, checkpoint):
-    """(folder, its meaning, note, refusal): the checkpoint the last save made, else the newest complete
-    one, the note saying why. Without a complete one: refused where the last save's folder is there,
-    damaged (a folder with a checkpoint's files is never taken for an empty one); else none (folder
-    None), the note naming what an interrupted save left, which holds nothing to resume from."""
+    """(folder, its meaning, note, refusal): refused where another script wrote it (foreign_checkpoint);
+    else the checkpoint the last save made, else the newest complete one, the note saying why. Without a
+    complete one: refused where the last save's folder is there, damaged (a folder with a checkpoint's
+    files is never taken for an empty one); else none (folder None), the note naming what an interrupted
+    save left, which holds nothing to resume from."""
+    foreign = foreign_checkpoint(checkpoint)
+    if foreign:
+        return None, None, None, foreign
     expected, *others = strategy.checkpoint_folders(checkpoint)
     saved = strategy.checkpoint_meaning(expected)
     if saved is not None:
@@ -149,6 +165,37 @@ def choose(strategy, checkpoint):
                                   "one: remove it to start from step 0")
     left = [str(folder) for folder in others if folder.is_dir() and any(folder.iterdir())]
     return None, None, f" (only what an interrupted save left: {', '.join(left)})" if left else None, None
+
+
+def foreign_checkpoint(checkpoint):
+    """One line refusing the checkpoint in `checkpoint` when a script other than this one wrote it, as a
+    meaning.json there or in a step folder below says (any strategy's layout); else None. Another
+    strategy's files are not this one's: it would not find them (and start from step 0 beside them) or
+    would misread them, blaming a setting."""
+    mine = script_name()
+    for found in sorted([checkpoint / MEANING_FILE, *checkpoint.glob(f"*/{MEANING_FILE}")]):
+        try:
+            writer = json.loads(found.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # no meaning.json, or a damaged one: the strategy's choice says so
+            continue
+        writer = writer.get("script") if isinstance(writer, dict) else None
+        if writer != mine:
+            by = f"by {writer}" if writer else "by another script (its meaning.json names none)"
+            return (f"--resume: the checkpoint in {found.parent} was written {by}, not {mine}: another strategy's "
+                    f"checkpoint does not resume here: resume it with {writer or 'the script that wrote it'}, "
+                    "or remove it")
+    return None
+
+
+def check_agrees(folder, saved, state):
+    """meaning.json is what a person reads, and can edit; the training state holds what the run recorded.
+    A checkpoint whose two disagree is damaged: refused, whichever of them was changed."""
+    recorded = {"step": state.get("step"), **(state.get("meaning") or {})}
+    differences = [f"{key} {saved.get(key)!r} in its {MEANING_FILE}, {recorded.get(key)!r} in its training state"
+                   for key in sorted(set(saved) | set(recorded)) if saved.get(key) != recorded.get(key)]
+    if differences:
+        raise UserError(f"--resume: the checkpoint in {folder} is damaged: " + "; ".join(differences)
+                        + ": a resume trusts only what it checks: remove it to start from step 0")
 
 
 def apply_optimizer_settings(optimizer, chosen):

@@ -37,9 +37,9 @@ MIN_SAMPLES = 2
 
 
 def run(main):
-    """Run `main()`, turning failures into one clear line on stderr and a non-zero exit."""
+    """Run `main()`, turning failures into one clear line on stderr and a non-zero exit; in a script that
+    runs in a group (launch.in_a_group), after checking its launch variables."""
     import torch.distributed as dist  # for its rendezvous errors; every script has imported torch already
-    rank = current_rank()
     # SIGTERM and SIGUSR1 (a scheduler or launcher stopping the job) unwind like Ctrl-C: cleanup code
     # runs (--save-on-signal's handler takes over while training). A launched process stops with its launcher.
     for number in launch.STOP_SIGNALS:
@@ -47,25 +47,27 @@ def run(main):
     if launch.launched():
         launch.stop_with_the_parent()
     try:
+        if launch.in_a_group():
+            launch.check_launch_variables()
         main()
     except SystemExit:  # the script's own exit status stands
         raise
     except UserError as error:
-        if rank == 0 or error.only_this_rank:  # rank 0 speaks for all
+        if error.only_this_rank or current_rank() == 0:  # rank 0 speaks for all
             report(f"error: {error}")
         sys.exit(2)
     except KeyboardInterrupt:
-        print(f"rank {rank}: interrupted", file=sys.stderr)
+        print(f"rank {current_rank()}: interrupted", file=sys.stderr)
         sys.exit(130)
     except (dist.DistNetworkError, dist.DistStoreError) as error:
         # The rendezvous never came together within --dist-timeout: a wrong address, a blocked port, or
         # a process (a node) that never started. Where is in the message; a traceback would add nothing.
-        report(f"error: rank {rank} could not reach the process group at {os.environ.get('MASTER_ADDR')}:"
+        report(f"error: rank {current_rank()} could not reach the process group at {os.environ.get('MASTER_ADDR')}:"
                f"{os.environ.get('MASTER_PORT')} within --dist-timeout: {str(error).splitlines()[0]}")
         sys.exit(1)
     except BaseException as error:  # torch.distributed.checkpoint's errors derive from BaseException, not Exception
         traceback.print_exc()
-        report(f"error: rank {rank} failed: {describe(first_cause(error))}")
+        report(f"error: rank {current_rank()} failed: {describe(first_cause(error))}")
         sys.exit(1)
     finally:
         release_output_dir()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import flops, results
+from . import flops, measure, results
 from .callbacks import Callback
 
 TENSORBOARD_DIR = "tensorboard"
@@ -20,13 +20,16 @@ class Curves(Callback):
     published, its MFU (rank 0's FLOPs for the step, from the shapes it computed, over its seconds).
 
     The loop reads the loss only on logging steps, a host sync; here each step's loss (the loop's
-    `step_loss`, this process's part, a new tensor each step) stays on the device, and the processes
-    average all of them at once when training ends. Rank 0 writes the events as the result is built."""
+    `step_loss`, this process's part, a new tensor each step) stays on the device until the next
+    logging step, checkpoint or the end of training, where the processes average them at once and rank
+    0 writes their events: a run stopped by a signal leaves the curves of every step up to its
+    checkpoint, and a resumed run adds the steps after it beside them."""
 
     def __init__(self, trainer, optimizer, throughput, first_step):
         self.optimizer, self.throughput, self.first_step = optimizer, throughput, first_step
         self.step_losses, self.learning_rates, self.token_sums, self.losses = [], [], [], []
         self.directory = Path(trainer.output_dir) / TENSORBOARD_DIR
+        self.writer = None
 
     def on_train_begin(self, trainer):
         self.token_sums.append(trainer.progress.tokens.sums.clone())
@@ -36,30 +39,37 @@ class Curves(Callback):
         rate = self.optimizer.param_groups[0]["lr"]
         self.learning_rates.append(rate.detach().clone() if isinstance(rate, torch.Tensor) else rate)
         self.token_sums.append(trainer.progress.tokens.sums.clone())  # counted on the CPU, from the batches
+        if step % trainer.args.log_steps == 0:
+            self.flush(trainer)
+
+    def on_save(self, trainer, step):
+        self.flush(trainer)
 
     def on_train_end(self, trainer):
-        if self.step_losses:  # every process, or none (a --resume past the last step)
-            self.losses = trainer.strategy.reduce_mean(torch.stack(self.step_losses).float()).cpu().tolist()
-            self.step_losses = []
+        self.flush(trainer)
 
-    def step_seconds(self):
-        """Each step's seconds: the first's as Throughput timed it apart, then the gaps between its marks."""
-        if not self.losses:
-            return []
-        return [self.throughput.first_seconds, *self.throughput.step_seconds]
+    def flush(self, trainer):
+        """Average the steps not written yet over the processes (every process calls it, at the same
+        step), and rank 0 writes them."""
+        if not self.step_losses:  # every process, or none (a --resume past the last step)
+            return
+        written = len(self.losses)
+        self.losses += trainer.strategy.reduce_mean(torch.stack(self.step_losses).float()).cpu().tolist()
+        self.step_losses = []
+        if trainer.strategy.is_main and importlib.util.find_spec("tensorboard") is not None:
+            self.write(trainer, written)
 
-    def step_mfu(self, trainer, result):
-        """Each step's MFU against the published peak (rank 0's FLOPs: every process computes about as
-        much), or None where no peak is published (a CPU, an unlisted GPU)."""
-        if not result.get("peak_tflops") or not self.losses:
-            return [None] * len(self.losses)
+    def step_mfu(self, trainer, index, seconds):
+        """Step `index`'s MFU against the published peak (rank 0's FLOPs: every process computes about
+        as much), or None where no peak is published (a CPU, an unlisted GPU)."""
+        device = trainer.strategy.device
+        if device.type != "cuda" or seconds <= 0:
+            return None
+        peak, _ = flops.published_peak(torch.cuda.get_device_name(device), measure.compute_precision(trainer))
         config = trainer.strategy.unwrap(trainer.model).config
-        computed = slice(len(results.REAL_COUNTS), None)
-        devices = result["devices"] / trainer.strategy.world_size  # a process's GPUs
-        step_flops = [flops.training_flops(config, *(after - before)[computed].tolist())
-                      for before, after in zip(self.token_sums, self.token_sums[1:])]
-        return [flops.mfu(work / seconds / devices, result["peak_tflops"]) if seconds > 0 else None
-                for work, seconds in zip(step_flops, self.step_seconds())]
+        work = flops.training_flops(config, *(self.token_sums[index + 1] - self.token_sums[index])[
+            results.COMPUTED_SUMS].tolist())
+        return flops.mfu(work / seconds / len(trainer.strategy.gpus_in_use()), peak)
 
     def on_result(self, trainer, result):
         result["train_loss_curve"] = {"first_step": self.first_step + 1,
@@ -69,22 +79,27 @@ class Curves(Callback):
         if importlib.util.find_spec("tensorboard") is None:
             result["tensorboard"] = "not written: the tensorboard package is not installed (requirements.txt pins it)"
             return
-        self.write(self.step_mfu(trainer, result))
+        if self.writer is not None:
+            self.writer.close()
         result["tensorboard"] = str(self.directory)
 
-    def write(self, mfus):
-        """The event file: a fresh run replaces the folder's earlier ones; a resumed run keeps them and
+    def write(self, trainer, start):
+        """The events of this launch's steps from `start` (an index) on, flushed to disk. The first write
+        opens the event file: a fresh run replaces the folder's earlier ones; a resumed run keeps them and
         tells TensorBoard to hide their steps from its first one on (purge_step)."""
-        from torch.utils.tensorboard import SummaryWriter
-        if self.first_step == 0:
-            for old in self.directory.glob(EVENT_FILES):
-                old.unlink()
-        writer = SummaryWriter(str(self.directory), purge_step=self.first_step + 1 if self.first_step else None)
-        for step, loss, rate, seconds, mfu in zip(range(self.first_step + 1, self.first_step + 1 + len(self.losses)),
-                                                  self.losses, self.learning_rates, self.step_seconds(), mfus):
-            writer.add_scalar("train/loss", loss, step)
-            writer.add_scalar("train/learning_rate", float(rate), step)
-            writer.add_scalar("train/step_seconds", seconds, step)
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+            if self.first_step == 0:
+                for old in self.directory.glob(EVENT_FILES):
+                    old.unlink()
+            purge = self.first_step + 1 if self.first_step else None
+            self.writer = SummaryWriter(str(self.directory), purge_step=purge)
+        for index in range(start, len(self.losses)):
+            step, seconds = self.first_step + 1 + index, self.throughput.seconds(index)
+            self.writer.add_scalar("train/loss", self.losses[index], step)
+            self.writer.add_scalar("train/learning_rate", float(self.learning_rates[index]), step)
+            self.writer.add_scalar("train/step_seconds", seconds, step)
+            mfu = self.step_mfu(trainer, index, seconds)
             if mfu is not None:
-                writer.add_scalar("train/mfu", mfu, step)
-        writer.close()
+                self.writer.add_scalar("train/mfu", mfu, step)
+        self.writer.flush()

@@ -1,11 +1,13 @@
 """How a launcher (or Slurm's srun) told this process its place in the job: its rank, the world size,
 its local rank and the processes on its machine; and how the job stops. Imports nothing heavy, as cli.py."""
 import ctypes
+import multiprocessing
 import os
 import re
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from .errors import UserError
 
@@ -14,14 +16,63 @@ from .errors import UserError
 # Slurm's srun.
 RANK_VARIABLES = (("RANK", "WORLD_SIZE"), ("HOROVOD_RANK", "HOROVOD_SIZE"),
                   ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
+# What a launch variable must be, the one rule every reader of them follows (launch_variable): a whole
+# number, a rank or index 0 or more, a size 1 or more, a port 1-65535. Anything else is refused in one
+# line before any work, not met as a traceback inside torch, or a rendezvous on a port that cannot be.
+LAUNCH_VARIABLES = {
+    **dict.fromkeys(["RANK", "LOCAL_RANK", "GROUP_RANK", "HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_RANK",
+                     "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "CROSS_RANK"],
+                    (0, None)),
+    **dict.fromkeys(["WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "HOROVOD_SIZE", "HOROVOD_LOCAL_SIZE",
+                     "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"], (1, None)),
+    "MASTER_PORT": (1, 65535),
+}
+# The scripts that always run alone: one process (single, DataParallel), the spawn scripts' parent (the
+# processes it starts run in the group), predict.py, the runner and its one-process microbenchmarks. A
+# RANK around them, left by a shell or a job script, names no group: they are rank 0 (in_a_group).
+ALONE = {"single-gpu-cls.py", "multi-gpu-dataparallel-cls.py", "multi-gpu-distributed-mp-cls.py",
+         "multi-gpu-distributed-mp-amp-cls.py", "predict.py", "benchmark.py", "matmul_peak.py", "pipeline.py"}
+
+
+def launch_variable(name, default=None):
+    """The launch variable `name` (LAUNCH_VARIABLES) as a number, `default` where it is unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    least, most = LAUNCH_VARIABLES[name]
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < least or (most is not None and number > most):
+        kind = {0: "0 or more", 1: "1 or more"}[least] if most is None else f"{least}-{most}"
+        raise UserError(f"{name}={value!r}: a launch variable must be a whole number, {kind}: fix what sets it "
+                        "(the launcher, the job script or the shell)", only_this_rank=True)
+    return number
+
+
+def in_a_group():
+    """Whether this process may be one of a group a launcher started: any script but those that run ALONE,
+    and a process the spawn scripts start (multiprocessing's child)."""
+    return Path(sys.argv[0]).name not in ALONE or multiprocessing.parent_process() is not None
+
+
+def check_launch_variables():
+    """Every launch variable set here, by launch_variable's rule: before any work of a script that runs in
+    a group (a script alone reads none of them)."""
+    for name in LAUNCH_VARIABLES:
+        launch_variable(name)
 
 
 def current_rank():
     """This process's rank: rank 0 speaks for all and writes --output-dir. A process alone in its world
-    is rank 0 whatever rank its environment names: no other process would speak or write for it."""
+    is rank 0 whatever rank its environment names: no other process would speak or write for it; so is
+    a script that always runs alone (in_a_group)."""
+    if not in_a_group():
+        return 0
     for rank, size in RANK_VARIABLES:
         if rank in os.environ:
-            return int(os.environ[rank]) if int(os.environ.get(size, 1)) > 1 else 0
+            return launch_variable(rank) if launch_variable(size, 1) > 1 else 0
     return 0
 
 
@@ -39,30 +90,31 @@ def launch_environment(how_to_launch):
     if missing:
         raise UserError(f"the launcher set RANK and WORLD_SIZE but not {' and '.join(missing)}: set them too "
                         "(this process's index on its machine, and the processes there), as torchrun does")
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    index, processes = int(local["LOCAL_RANK"]), int(local["LOCAL_WORLD_SIZE"])
+    rank, size = launch_variable("RANK"), launch_variable("WORLD_SIZE")
+    index = launch_variable("LOCAL_RANK")
+    processes = launch_variable("LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in os.environ else "LOCAL_SIZE")
     if not (0 <= rank < size and 0 <= index < processes):  # else it waits for a rank that never comes
         raise UserError(f"the launcher set RANK={rank}, WORLD_SIZE={size}, LOCAL_RANK={index}, LOCAL_WORLD_SIZE="
                         f"{processes}: each rank must be 0 or more and below its size", only_this_rank=True)
     if rank == 0 and "CROSS_RANK" in os.environ:  # DeepSpeed's launch.py: rank 0 hosts the rendezvous
-        refuse_a_port_in_use(int(os.environ["MASTER_PORT"]), "--master_port", "give the deepspeed command a free one")
+        refuse_a_port_in_use(launch_variable("MASTER_PORT"), "--master_port", "give the deepspeed command a free one")
     return rank, size, index, processes
 
 
 def local_rank():
     """This process's index on its machine as its launcher set it (0 alone): its GPU, before a library
     has joined the processes."""
-    return int(os.environ.get("LOCAL_RANK", 0))
+    return launch_variable("LOCAL_RANK", 0)
 
 
 def world_size():
     """The job's processes as the launcher set them (1 alone)."""
-    return int(os.environ.get("WORLD_SIZE", 1))
+    return launch_variable("WORLD_SIZE", 1)
 
 
 def local_world_size(default):
     """The processes on this machine as the launcher set them, else `default`."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+    return launch_variable("LOCAL_WORLD_SIZE", default)
 
 
 def launched():

@@ -91,14 +91,15 @@ class TokenCount:
 
 def count_tokens(batch):
     """flops.py's three sums (tokens, sequences, and query-key pairs of attention), first over the real
-    samples at their own lengths, then over what the model computed (padding and repeats included).
-    Computed where the batch is, without reading anything back: no wait for a GPU."""
+    samples at their own lengths, then over what the model computed (padding and repeats included); then
+    the tokens computed in the real samples' rows (results.TOKEN_COUNTS). Computed where the batch is,
+    without reading anything back: no wait for a GPU."""
     real = (batch["weight"] > 0).double()
     real_lengths = batch["attention_mask"].sum(dim=1).double() * real
     sequences, length = batch["input_ids"].shape
     computed = torch.tensor([sequences * length, sequences, sequences * length ** 2], dtype=torch.float64,
                             device=real.device)
-    return torch.stack([real_lengths.sum(), real.sum(), (real_lengths ** 2).sum(), *computed])
+    return torch.stack([real_lengths.sum(), real.sum(), (real_lengths ** 2).sum(), *computed, real.sum() * length])
 
 
 class ModelStateCount(Callback):
@@ -229,16 +230,21 @@ class Throughput(Callback):
             self.compiled_graphs = counters["stats"]["unique_graphs"]
         if trainer.args.compile_mode == "reduce-overhead":
             self.cuda_graphs = cuda_graphs_recorded(self.device)
-        if self.device.type == "cuda":
-            self.step_seconds = [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            self.step_seconds = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        self.step_seconds = [self.seconds(index) for index in range(1, len(self.marks))]
+
+    def seconds(self, index):
+        """The seconds of this launch's step `index` (from 0): the first's as timed apart, then the gap
+        between its mark and the one before (CUDA events: read once the GPU has passed both)."""
+        if index == 0:
+            return self.first_seconds
+        before, after = self.marks[index - 1], self.marks[index]
+        return before.elapsed_time(after) / 1000 if self.device.type == "cuda" else after - before
 
     def on_result(self, trainer, result):
         if self.first_step is None:  # nothing trained (a --resume past the last step)
             return
         config = trainer.strategy.unwrap(trainer.model).config
-        computed = slice(len(results.REAL_COUNTS), None)  # count_tokens' sums of what the model computed
+        computed = results.COMPUTED_SUMS  # count_tokens' sums of what the model computed
         model_flops = flops.training_flops(config, *(result[name] for name in results.COMPUTED_COUNTS))  # the job's
         # The steady steps' share of the FLOPs, from this process's own counts: exact, whatever the
         # first batch's length.

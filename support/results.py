@@ -13,10 +13,12 @@ from .models import parameter_count
 
 
 # measure.count_tokens' sums, in its order: flops.py's three over the real samples at their own lengths,
-# then over what the model computed (padding and repeats included).
+# then over what the model computed (padding and repeats included), then the tokens computed in the real
+# samples' rows (their padding, not the rows of weight 0 that fill a short batch): padding per sample.
 REAL_COUNTS = ("real_tokens", "real_sequences", "real_attended_pairs")
 COMPUTED_COUNTS = ("computed_tokens", "computed_sequences", "attended_pairs")
-TOKEN_COUNTS = REAL_COUNTS + COMPUTED_COUNTS
+TOKEN_COUNTS = REAL_COUNTS + COMPUTED_COUNTS + ("real_rows_tokens",)
+COMPUTED_SUMS = slice(len(REAL_COUNTS), len(REAL_COUNTS + COMPUTED_COUNTS))  # the sums flops.py reads, computed
 
 
 def publish(trainer, result, metrics):
@@ -81,7 +83,7 @@ def fields(trainer, progress, metrics):
         "train_seconds": round(progress["seconds"], 3),
         "samples_per_second": round(progress["samples"] / progress["seconds"], 2),
         "tokens_per_sample": round(progress["real_tokens"] / samples, 2),
-        "padded_tokens_per_sample": round((progress["computed_tokens"] - progress["real_tokens"]) / samples, 2),
+        "padded_tokens_per_sample": round(padding_per_sample(progress), 2),
         # The job's sums (measure.count_tokens): what the throughput and FLOPs are counted from.
         **{name: progress[name] for name in TOKEN_COUNTS},
         "pad_to_multiple_of": args.pad_to_multiple_of,
@@ -97,6 +99,12 @@ def fields(trainer, progress, metrics):
                      "transformers": transformers.__version__, **strategy.versions()},
         **strategy.result_extras(),
     }
+
+
+def padding_per_sample(sums):
+    """The padding tokens a real sample was computed with, on average (count_tokens' sums): its batch's
+    length less its own. The rows of weight 0 that fill a short batch are no sample's padding."""
+    return (sums["real_rows_tokens"] - sums["real_tokens"]) / max(sums["real_sequences"], 1)
 
 
 def throughput_line(result):

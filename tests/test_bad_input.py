@@ -172,8 +172,20 @@ def test_an_output_dir_that_is_a_file_is_refused_before_training(tmp_path):
 
 
 def test_predict_refuses_an_empty_text(tmp_path):
+    """Empty by training's rule (common.empty_text): zero-width and control characters are no text either."""
     process = run_in_process(["predict.py", "--checkpoint", str(tmp_path), "你好", ""])
     assert_clean_error(process, "text 2 of the arguments is empty")
+    process = run_in_process(["predict.py", "--checkpoint", str(tmp_path), "你好", "\u200b\u200d\x07"])
+    assert_clean_error(process, "text 2 of the arguments is empty (only spaces, control or zero-width characters)")
+
+
+def test_predict_refuses_a_model_without_its_tokenizer(tmp_path, single_reference):
+    """Without its vocabulary every character would be [UNK], each text classified alike."""
+    shutil.copytree(single_reference / "model", tmp_path / "model")
+    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "model" / name).unlink(missing_ok=True)
+    process = run_in_process(["predict.py", "--checkpoint", tmp_path / "model", "今天天气真好"])
+    assert_clean_error(process, f"the model at {tmp_path / 'model'} has no tokenizer")
 
 
 @pytest.mark.parametrize("script", ["multi-gpu-distributed-cls.py", "multi-gpu-deepspeed-cls.py"])
@@ -287,17 +299,31 @@ def test_a_link_in_the_output_dir_is_not_written_through(tmp_path):
 
 
 def test_a_process_alone_in_its_world_is_rank_0_whatever_rank_it_is_given(tmp_path, monkeypatch):
-    """A RANK left in the environment of one process: no rank 0 would lock the folder or speak for it."""
+    """A RANK left in the environment of one process: no rank 0 would lock the folder or speak for it.
+    A script that never runs in a group (launch.in_a_group) believes no RANK, whatever WORLD_SIZE says."""
     import fcntl
     from support import cli, launch
     with open(tmp_path / cli.LOCK_FILE, "w", encoding="utf-8") as first:
         fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert_clean_error(train("--output-dir", tmp_path, data="no-such-file.json", env={"RANK": "1"}),
-                           "is in use by another run")
+        for stray in ({"RANK": "1"}, {"RANK": "1", "WORLD_SIZE": "2"}):
+            assert_clean_error(train("--output-dir", tmp_path, data="no-such-file.json", env=stray),
+                               "is in use by another run")
+    assert_clean_error(train("--epochs", "0", env={"RANK": "1", "WORLD_SIZE": "2"}), "--epochs must be at least 1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.setenv(name, "1" if name != "LOCAL_RANK" else "0")
     with pytest.raises(cli.UserError, match="^the launcher set RANK=1, WORLD_SIZE=1, "):  # else it waits for rank 0
         launch.launch_environment("torchrun")
+
+
+@pytest.mark.parametrize("name, value, rule", [("WORLD_SIZE", "two", "1 or more"), ("LOCAL_RANK", "x", "0 or more"),
+                                               ("MASTER_PORT", "abc", "1-65535"), ("MASTER_PORT", "99999", "1-65535"),
+                                               ("RANK", "-1", "0 or more")])
+def test_a_launch_variable_breaking_its_rule_is_refused_before_any_work(name, value, rule):
+    """launch.LAUNCH_VARIABLES: every process of a group script checks them as it starts."""
+    environment = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400", name: value}
+    process = run_in_process(["multi-gpu-distributed-cls.py", *SMALL, "--data", "no-such-file.json"], env=environment)
+    assert_clean_error(process, f"{name}={value!r}: a launch variable must be a whole number, {rule}")
 
 
 def test_predict_refuses_a_max_seq_len_beyond_the_models_positions(single_reference):

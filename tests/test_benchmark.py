@@ -178,6 +178,47 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
     assert "failed: exit status 1: error: rank 1 failed" in table_line(table, "ddp")
     assert (tmp_path / "benchmark.png").is_file()
+    # What the machine gave the row: its CPU time against wall x threads, the load, the other work's cores.
+    share = single["machine_share"]
+    assert share["cpu_seconds"] > 0 and 0 < share["cpu_share"] and share["threads"] == single["threads_per_process"]
+    assert share["load_before"] >= 0 and share["other_cores"] >= 0 and 0 <= share["starved"] <= 1
+
+
+def test_a_row_starved_by_other_work_is_said_in_the_table_and_the_header_and_by_how_much():
+    """Over 10 s of wall, the machine was busy 20 CPU s, the row's 2 threads took 5 of them: other work
+    held 1.5 of the 2 cores, the row lacked 75% of what it asked for."""
+    before, after = bench_run.CpuTimes(100.0, 1.0, 0.0, 2.5), bench_run.CpuTimes(120.0, 1.0, 5.0, 3.5)
+    share = bench_run.machine_share(before, after, 10.0, {"world_size": 1, "threads_per_process": 2})
+    assert share == {"cpu_seconds": 5.0, "threads": 2, "cpu_share": 0.25, "load_before": 2.5, "load_after": 3.5,
+                     "other_cores": 1.5, "starved": 0.75}
+    report = json.loads((ROOT / "docs" / "results" / "amd-epyc-2-cores" / "benchmark.json").read_text(encoding="utf-8"))
+    single = next(row for row in report["rows"] if row["row"] == "single")
+    single["machine_share"] = share
+    text = bench_report.markdown(report)
+    assert table_line(text, "single").endswith(
+        "| ok, starved: other work held 1.5 cores, the row lacked 75% of the 2 it asked for; its CPU time 25% of "
+        "wall x threads, load 2.5 -> 3.5 |")
+    assert "note: other work on this machine took CPU from single (status: starved, by how much)" in text
+    single["machine_share"] = {**share, "other_cores": 0.1, "starved": 0.0}
+    assert "starved" not in bench_report.terminal_report(report)
+
+
+def test_the_paths_a_user_passes_on_are_in_the_users_folder_not_the_repository(tmp_path, monkeypatch):
+    """The runner launches every script in the repository: a relative --data, --deepspeed-config or
+    --model folder names the user's file, made absolute before the plan reads it (the data's size)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.json").write_text(json.dumps([["今天 天气 真好", 5]] * 30), encoding="utf-8")
+    (tmp_path / "ds.json").write_text("{}", encoding="utf-8")
+    (tmp_path / "my-model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = options.parse_args(["--max-samples", "20", "--data", "data/train.json", "--model", "my-model",
+                               "--strategy-args", "deepspeed=--deepspeed-config ds.json"], gpus=0)
+    assert args.passthrough == ["--data", str(tmp_path / "data" / "train.json")]
+    assert args.strategy_options["deepspeed"] == ["--deepspeed-config", str(tmp_path / "ds.json")]
+    assert args.model == str(tmp_path / "my-model")
+    assert options.parse_args(["--model", "tiny"], gpus=0).model == "tiny"  # a keyword, not a folder
+    with pytest.raises(cli.UserError, match=r"^--max-samples 100 asks for more records than the data has \(30\)"):
+        options.parse_args(["--max-samples", "100", "--data=data/train.json"], gpus=0)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -6,6 +6,7 @@ cluster's job (test_several_machines.py)."""
 import json
 import runpy
 import socket
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -139,7 +140,7 @@ def test_memory_estimate_for_each_stage_and_offload():
     assert per_gpu["3", "none"] > per_gpu["3", "optimizer"] > per_gpu["3", "optimizer+param"]
 
 
-def test_a_resume_takes_the_newest_complete_step_when_latest_names_none(tmp_path):
+def test_a_resume_takes_the_newest_complete_step_when_latest_names_none(tmp_path, monkeypatch):
     """`latest` names a step folder a failed save removed, then one it left incomplete, beside a complete
     step8/: the resume takes step8 (here refused, as written with other settings, before the engine
     would load it). In this interpreter, for one process."""
@@ -151,14 +152,17 @@ def test_a_resume_takes_the_newest_complete_step_when_latest_names_none(tmp_path
     class OneProcess(lesson["DeepSpeed"]):
         broadcast_object, reduce_mean = common.Strategy.broadcast_object, common.Strategy.reduce_mean
     checkpoint = tmp_path / "checkpoint"
-    with deepspeed_setup.step_folder(checkpoint / "step8", {"step": 8, "meaning": {"world_size": 2}}, True):
+    monkeypatch.setattr(sys, "argv", [SCRIPT])  # the script that wrote it, as checkpoints.meaning records it
+    with deepspeed_setup.step_folder(checkpoint / "step8", {"step": 8, "meaning": {"script": SCRIPT, "world_size": 2}},
+                                     True):
         (checkpoint / "step8" / "mp_rank_00_model_states.pt").write_bytes(b"")  # the engine's files, `latest`
     (checkpoint / "latest").write_text("step12", encoding="utf-8")
     strategy = OneProcess("cpu", 0, 2, 2, "fp32", {"zero_optimization": {"stage": 2}})
     run = SimpleNamespace(args=cli.build_parser(SCRIPT, "").parse_args(["--resume"]), output_dir=tmp_path,
                           strategy=strategy, global_batch_size=64, model_name="tiny", log=print)
     for step12 in ("missing", "without its meaning.json"):
-        with pytest.raises(cli.UserError, match=f"^--resume: the checkpoint in {checkpoint / 'step8'} was written"):
+        written = f"^--resume: the checkpoint in {checkpoint / 'step8'} was written with"
+        with pytest.raises(cli.UserError, match=written):
             checkpoints.resume(run)
         (checkpoint / "step12").mkdir(exist_ok=True)
         (checkpoint / "step12" / "mp_rank_00_model_states.pt").write_bytes(b"")

@@ -156,3 +156,15 @@ def test_matmul_peak_command_line_ends_with_json_and_refuses_tf32_on_cpu():
     refused = run_in_process(["microbenchmarks/matmul_peak.py", "--device", "cpu", "--precision", "tf32"])
     assert refused.returncode == 2
     assert refused.stderr.strip().startswith("error: --precision tf32 ") and len(refused.stderr.splitlines()) == 1
+
+
+def test_padding_per_sample_counts_the_real_samples_rows_only():
+    """Two real texts of 3 and 5 tokens in a batch padded to 8, filled with two repeats of weight 0 (a
+    short batch, --pad-to-multiple-of): 5 + 3 padding tokens over 2 samples; the repeats pad no sample."""
+    from support import measure, results
+    mask = torch.tensor([[1] * 3 + [0] * 5, [1] * 5 + [0] * 3, [1] * 3 + [0] * 5, [1] * 3 + [0] * 5])
+    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "attention_mask": mask,
+             "weight": torch.tensor([0.5, 0.5, 0.0, 0.0])}
+    sums = dict(zip(results.TOKEN_COUNTS, measure.count_tokens(batch).tolist()))
+    assert sums["real_tokens"] == 8 and sums["computed_tokens"] == 32
+    assert results.padding_per_sample(sums) == 4

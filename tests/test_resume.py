@@ -13,8 +13,9 @@ import pytest
 
 import common
 from support import checkpoints, models
-from conftest import (BIN, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_curves, read_result, run,
-                      run_in_process)
+from support.errors import UserError
+from conftest import (BIN, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_curves, read_result, require,
+                      run, run_in_process)
 from test_bad_input import assert_clean_error
 
 # The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
@@ -61,6 +62,8 @@ def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(uninterrupte
     assert result["device"] == "cpu"  # DeepSpeed's too, with DS_ACCELERATOR=cuda exported (RESUME_ENV)
     if strategy == "deepspeed":
         assert (output / "checkpoint" / "latest").read_text() == "step20"
+    # The curves are whole: the crashed run wrote its steps up to its checkpoint, the resumed one the rest.
+    assert sorted(read_curves(output)["train/loss"]) == list(range(1, 23))
     assert_same_weights(uninterrupted(REFERENCE.get(strategy, "ddp")) / "model", output / "model")
 
 
@@ -111,6 +114,58 @@ def test_a_truncated_checkpoint_is_named_in_one_line(tmp_path, crashed_run, dama
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     process = run_in_process([*RESUMABLE["single"]()[1:], *RESUME, "--resume", "--output-dir", str(tmp_path)])
     assert_clean_error(process, f"--resume: the checkpoint in {tmp_path / 'checkpoint'} cannot be read")
+
+
+def test_a_checkpoint_whose_meaning_json_disagrees_with_its_training_state_is_refused(tmp_path, crashed_run):
+    """meaning.json edited to batch 8 and resumed at --batch-size 8: the training state recorded 16. In
+    this interpreter, refused before training."""
+    shutil.copytree(crashed_run("single").output / "checkpoint", tmp_path / "checkpoint")
+    meaning_file = tmp_path / "checkpoint" / checkpoints.MEANING_FILE
+    edited = {**json.loads(meaning_file.read_text(encoding="utf-8")), "batch_size_per_process": 8,
+              "global_batch_size": 16}
+    meaning_file.write_text(json.dumps(edited), encoding="utf-8")
+    process = run_in_process([*RESUMABLE["single"]()[1:], *RESUME, "--resume", "--batch-size", "8", "--max-steps", "9",
+                              "--output-dir", str(tmp_path)])
+    assert_clean_error(process, f"--resume: the checkpoint in {tmp_path / 'checkpoint'} is damaged: "
+                                "batch_size_per_process 8 in its meaning.json, 16 in its training state; "
+                                "global_batch_size 16 in its meaning.json, 32 in its training state")
+
+
+def test_a_checkpoint_resumes_only_into_the_script_that_wrote_it(tmp_path, crashed_run, monkeypatch):
+    """Another script's checkpoint is named and refused before any training by every strategy's resume
+    (checkpoints.choose): DeepSpeed would not find one device's and train from step 0 beside it, FSDP2
+    would blame --offload, one device would call DeepSpeed's incomplete. In this interpreter, for one
+    process of each."""
+    import runpy
+    import torch
+    require("deepspeed")
+    shutil.copytree(crashed_run("single").output / "checkpoint", tmp_path / "single" / "checkpoint")
+    step8 = tmp_path / "deepspeed" / "checkpoint" / "step8"
+    step8.mkdir(parents=True)
+    (step8 / checkpoints.MEANING_FILE).write_text(json.dumps({"step": 8, "script": "multi-gpu-deepspeed-cls.py"}))
+    (step8.parent / "latest").write_text("step8", encoding="utf-8")
+
+    def alone(strategy_class):
+        class OneProcess(strategy_class):  # no process group: the collectives of one process
+            broadcast_object, reduce_mean = common.Strategy.broadcast_object, common.Strategy.reduce_mean
+        return OneProcess
+    deepspeed = alone(runpy.run_path(str(ROOT / "multi-gpu-deepspeed-cls.py"))["DeepSpeed"])
+    fsdp = alone(runpy.run_path(str(ROOT / "multi-gpu-fsdp-cls.py"))["FSDP2"])
+    resuming = {"multi-gpu-deepspeed-cls.py": (deepspeed("cpu", 0, 1, 1, "fp32", {"zero_optimization": {"stage": 2}}),
+                                               "single"),
+                "multi-gpu-fsdp-cls.py": (fsdp(torch.device("cpu"), 0, 1, 1, "fp32", True, False), "single"),
+                "single-gpu-cls.py": (common.Strategy(torch.device("cpu")), "deepspeed")}
+    writers = {"single": "single-gpu-cls.py", "deepspeed": "multi-gpu-deepspeed-cls.py"}
+    for script, (strategy, writer) in resuming.items():
+        monkeypatch.setattr(sys, "argv", [script])
+        folder = tmp_path / writer / "checkpoint" / ("step8" if writer == "deepspeed" else "")
+        trainer = SimpleNamespace(args=SimpleNamespace(resume=True), output_dir=tmp_path / writer, strategy=strategy,
+                                  log=print)
+        with pytest.raises(UserError) as refused:
+            checkpoints.resume(trainer)
+        assert str(refused.value) == (
+            f"--resume: the checkpoint in {folder} was written by {writers[writer]}, not {script}: "
+            f"another strategy's checkpoint does not resume here: resume it with {writers[writer]}, or remove it")
 
 
 def script_parsers(monkeypatch):
