@@ -95,11 +95,10 @@ def main():
         list_rows(args.variants)
         return
     model, model_note = choose_model(args.model, gpus)
-    try:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # read-only, or not ours: one line, as the scripts say it
-        raise cli.UserError(f"--output-dir {args.output_dir} is not writable: {error.strerror}") from None
     cells = plan(args, gpus)
+    # The folder is this run's as a script's is its own (locked, no links, nothing of anyone else's touched).
+    cli.check_output_dir(str(args.output_dir))
+    cli.claim_output_dir(args.output_dir)
     if args.real_size:
         announce_real_size(args, cells)
     report = new_report(args, cells, model, model_note)

@@ -210,11 +210,18 @@ def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
     assert "Traceback" not in process.stderr and not list(tmp_path.iterdir())
 
 
-def test_an_output_dir_that_is_a_file_is_refused_in_one_line(tmp_path):
+def test_an_output_dir_that_is_a_file_or_in_use_is_refused_in_one_line(tmp_path):
     path = tmp_path / "a-file"
     path.write_text("x", encoding="utf-8")
     process = run_in_process(["benchmark.py", "--output-dir", str(path)], env=CPU_ONLY)
     assert process.returncode == 2 and process.stderr == f"error: --output-dir {path} is a file, not a folder\n"
+    # The runner locks its folder as the scripts do: a second one would replace the report and the row logs.
+    import fcntl
+    with open(tmp_path / cli.LOCK_FILE, "w", encoding="utf-8") as first:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        process = run_in_process(["benchmark.py", "--only", "single", "--output-dir", str(tmp_path)], env=CPU_ONLY)
+    assert process.returncode == 2 and process.stderr == (f"error: --output-dir {tmp_path} is in use by another run: "
+                                                          "wait for that run to end, or choose another --output-dir\n")
 
 
 def test_more_processes_than_cores_are_said_before_the_first_launch(tmp_path, monkeypatch):
