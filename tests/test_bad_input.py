@@ -119,6 +119,15 @@ def test_predict_with_no_text(tmp_path):
     assert_clean_error(process, "no text to classify")
 
 
+def test_predict_reads_its_texts_from_standard_input_with_file_dash(single_reference, monkeypatch):
+    import io
+    import sys
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("今天 天气 真好\n\n气死我了\n".encode())))
+    process = run_in_process(["predict.py", "--checkpoint", single_reference / "model", "--file", "-"])
+    assert process.returncode == 0, process.stderr
+    assert [line.split("\t")[-1] for line in process.stdout.splitlines()] == ["今天 天气 真好", "气死我了"]
+
+
 @pytest.mark.parametrize("option, value, fragment", [
     ("--lr", "-1", "--lr must be a positive number, got -1"),
     ("--lr", "inf", "--lr must be a positive number, got inf"),

@@ -196,6 +196,11 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (["--publish", "../x"], "error: --publish ../x: a suffix of lower-case letters, digits and dashes"),
     (["--nnodes", "1,0"], "error: --nnodes takes node counts of at least 1"),
     (["--batch-size", "32,0"], "error: --batch-size takes batch sizes of at least 1, like 2 or 1,2,4; got '32,0'"),
+    (["--batch-size", "8,8"], "error: --batch-size 8,8: 8 given twice; each batch size makes its own rows"),
+    (["--nprocs", "1,2,1"], "error: --nprocs 1,2,1: 1 given twice; each process count makes its own rows"),
+    # Each script would refuse it, one launch after another.
+    (["--only", "single,ddp", "--max-samples", "40", "--batch-size", "19"],
+     "error: 1 row(s) would train on a global batch larger than the 37 training samples (ddp: 38)"),
     (["--global-batch", "64", "--batch-size", "16,32"], "error: --global-batch sets each script's --batch-size"),
     (["--nnodes", "2"], "error: --nnodes 2 runs each row across the nodes of a Slurm job: submit slurm/benchmark.sbatch"),
     (["--max-samples", "1"], "error: --max-samples must be at least 2, got 1"),
