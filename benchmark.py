@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from bench import report as benchmark_report
-from bench.estimate import announce_real_size, expected_duration, few_steps_warning
+from bench.estimate import announce_real_size, check_batches_fit, expected_duration, few_steps_warning
 from bench.options import list_rows, parse_args, plan
 from bench.provenance import choose_model, describe_machine, git_state, gpu_count, library_versions
 from bench.rows import STRATEGIES, relative
@@ -95,11 +95,11 @@ def main():
         list_rows(args.variants)
         return
     model, model_note = choose_model(args.model, gpus)
-    try:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # read-only, or not ours: one line, as the scripts say it
-        raise cli.UserError(f"--output-dir {args.output_dir} is not writable: {error.strerror}") from None
     cells = plan(args, gpus)
+    check_batches_fit(args, cells, gpus)
+    # The folder is this run's as a script's is its own (locked, no links, nothing of anyone else's touched).
+    cli.check_output_dir(str(args.output_dir))
+    cli.claim_output_dir(args.output_dir)
     if args.real_size:
         announce_real_size(args, cells)
     report = new_report(args, cells, model, model_note)

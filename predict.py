@@ -2,10 +2,12 @@
 
     python predict.py --checkpoint output/single-gpu-cls/model 今天天气真好 气死我了
     python predict.py --checkpoint output/multi-gpu-deepspeed-cls/model --file texts.txt
+    cat texts.txt | python predict.py --checkpoint output/single-gpu-cls/model --file -
 
 Prints one line per text: the predicted emotion, its probability, and the text.
 """
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -42,21 +44,32 @@ def read_texts(args):
             raise cli.UserError(f"text {number} of the arguments is empty (only spaces, control or zero-width "
                                 "characters): nothing to classify")
     if args.file:
-        path = Path(args.file)
-        if not path.is_file():
-            raise cli.UserError(f"text file not found: {path}")
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as error:
-            raise cli.UserError(f"{path} is not UTF-8 text (one text per line): {error}") from None
+        lines = read_lines(args.file)
         texts += [line.strip() for line in lines if line.strip()]
         empty = [number for number, line in enumerate(lines, 1) if line.strip() and common.empty_text(line)]
         if empty:
-            raise cli.UserError(f"{path}: line {empty[0]} holds only control or zero-width characters: nothing "
-                                "to classify")
+            raise cli.UserError(f"{args.file}: line {empty[0]} holds only control or zero-width characters: "
+                                "nothing to classify")
     if not texts:
-        raise cli.UserError("no text to classify: give texts as arguments or --file")
+        raise cli.UserError("no text to classify: give texts as arguments or --file (--file - reads standard input)")
     return texts
+
+
+def read_lines(name):
+    """The lines of --file: a file, a pipe (/dev/stdin, <(...)), or '-' for standard input."""
+    try:
+        if name == "-":
+            return sys.stdin.buffer.read().decode("utf-8").splitlines()
+        return Path(name).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise cli.UserError(f"text file not found: {name}") from None
+    except IsADirectoryError:
+        raise cli.UserError(f"--file {name} is a folder: give a file with one text per line") from None
+    except OSError as error:
+        raise cli.UserError(f"--file {name} cannot be read: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise cli.UserError(f"{'standard input' if name == '-' else name} is not UTF-8 text (one text per line): "
+                            f"{error}") from None
 
 
 @torch.no_grad()
@@ -75,7 +88,7 @@ def predict(tokenizer, model, texts, max_seq_len=128, batch_size=64):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a model/ folder written by a training script")
-    parser.add_argument("--file", help="a UTF-8 file with one text per line")
+    parser.add_argument("--file", help="a UTF-8 file with one text per line; - reads standard input")
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("texts", nargs="*", help="texts to classify")
     args = parser.parse_args()

@@ -158,12 +158,9 @@ def few_steps_warning(args, cells, gpus):
     asks for fewer."""
     if args.max_steps and args.max_steps < FEW_STEPS:
         return None
-    global_batches = {cell["row"]: args.global_batch or (cell["batch_size"] or SCRIPT_BATCH_SIZE) * (
-        args.grad_accum or 1) * cell["nnodes"] * devices(STRATEGIES[cell["strategy"]], cell["nprocs"], gpus)
-        for cell in cells}
+    global_batches = row_global_batches(args, cells, gpus)
     largest = max(global_batches.values())
-    samples, (dev_ratio, records) = args.max_samples or SCRIPT_MAX_SAMPLES, script_data(args.passthrough)
-    train, _ = cli.split_sizes(samples, dev_ratio, math.inf)
+    train, dev_ratio, records = train_samples(args)
     epochs = args.epochs or 1
     steps = {row: math.ceil(train / batch) * epochs for row, batch in global_batches.items()}
     few = [row for row, count in steps.items() if count < FEW_STEPS]
@@ -179,3 +176,29 @@ def few_steps_warning(args, cells, gpus):
     return (f"warning: {len(few)} row(s) ({', '.join(few)}) train fewer than {FEW_STEPS} optimizer steps, "
             f"{min(steps.values())} at a global batch of {largest:,} ({train:,} training samples, {epochs} "
             f"epoch(s)): too few to time (the first is timed apart); {' or '.join(fixes)} gives {FEW_STEPS} or more")
+
+
+def row_global_batches(args, cells, gpus):
+    """Each row's global batch: what its script gets per process x processes x micro-batches."""
+    return {cell["row"]: args.global_batch or (cell["batch_size"] or SCRIPT_BATCH_SIZE) * (
+        args.grad_accum or 1) * cell["nnodes"] * devices(STRATEGIES[cell["strategy"]], cell["nprocs"], gpus)
+        for cell in cells}
+
+
+def train_samples(args):
+    """The training samples every script will have, the --dev-ratio and the data's records (None: unread)."""
+    dev_ratio, records = script_data(args.passthrough)
+    train, _ = cli.split_sizes(args.max_samples or SCRIPT_MAX_SAMPLES, dev_ratio, math.inf)
+    return train, dev_ratio, records
+
+
+def check_batches_fit(args, cells, gpus):
+    """Before any launch: no row's global batch is more than the training samples, which every script
+    refuses (common.train_sampler), one launch after another."""
+    train, _, _ = train_samples(args)
+    too_large = [f"{row}: {batch:,}" for row, batch in row_global_batches(args, cells, gpus).items() if batch > train]
+    if too_large:
+        option = "--global-batch" if args.global_batch else "--batch-size"
+        raise cli.UserError(f"{len(too_large)} row(s) would train on a global batch larger than the {train:,} "
+                            f"training samples ({', '.join(too_large)}), which the scripts refuse: lower {option} "
+                            "or raise --max-samples")

@@ -178,8 +178,12 @@ def parse_counts(value, option="--nprocs", what="process count"):
         counts = [int(part) for part in value.split(",") if part.strip()]
     except ValueError:
         counts = []
-    if not counts or any(count < 1 for count in counts) or len(set(counts)) != len(counts):
+    if not counts or any(count < 1 for count in counts):
         raise cli.UserError(f"{option} takes {what}s of at least 1, like 2 or 1,2,4; got {value!r}")
+    repeated = sorted({count for count in counts if counts.count(count) > 1})
+    if repeated:
+        raise cli.UserError(f"{option} {value}: {', '.join(map(str, repeated))} given twice; each {what} makes its "
+                            "own rows, so name it once (--repeat runs a row several times)")
     return sorted(counts)
 
 

@@ -7,6 +7,8 @@ import re
 import shutil
 from pathlib import Path
 
+from support import files
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "docs" / "results"
 
@@ -322,7 +324,7 @@ def terminal_report(report):
 
 def write_text(path, text):
     """Atomically, as files.write_json: a reader never sees half a file."""
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staging = files.staged_name(path, "tmp")
     staging.write_text(text, encoding="utf-8")
     os.replace(staging, path)
 
@@ -345,7 +347,7 @@ def chart(report, path):
         axis.remove()
     figure.suptitle(f"{report['machine']['summary']} | model {report['model']}", fontsize=9)
     figure.tight_layout()
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staging = files.staged_name(path, "tmp")
     figure.savefig(staging, format="png", dpi=100)
     plt.close(figure)
     os.replace(staging, path)

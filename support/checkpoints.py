@@ -15,7 +15,7 @@ import torch
 from . import launch
 from .callbacks import Callback
 from .errors import UserError, describe, first_cause
-from .files import existing_parent, removed_on_failure, replace_dir, staged_dir, write_json
+from .files import existing_parent, removed_on_failure, replace_dir, staged_dir, staged_name, write_json
 
 # A training checkpoint: the state, and what its step means, readable by a person.
 CHECKPOINT_FILE, MEANING_FILE = "training_state.pt", "meaning.json"
@@ -271,7 +271,7 @@ def staged_checkpoint(path, state, is_main, barrier):
     first; after the block it adds `state` and swaps the folder in whole, so an interrupted save
     leaves the previous checkpoint whole, and a failed one removes its staging (rank 0).
     `barrier()` waits for every process."""
-    staging = path.with_name(f".{path.name}.staging")  # the same name in every process (files.STAGED_NAME)
+    staging = staged_name(path, "staging")  # the same name in every process
     if is_main:
         shutil.rmtree(staging, ignore_errors=True)
     barrier()

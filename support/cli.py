@@ -12,7 +12,6 @@ import json
 import math
 import os
 import signal
-import socket
 import stat
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from . import launch
 from .errors import UserError, describe, first_cause
-from .files import clear_dead_staging, existing_parent
+from .files import RECORD_FILE, clear_dead_staging, existing_parent, holder_line, no_link
 from .launch import current_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,11 +249,17 @@ def split_sizes(max_samples, dev_ratio, records):
 
 # ----------------------------------------------------------------------------- the run's folder
 
-# A run writes only inside --output-dir, and follows no link there: the folder may be a link the user
-# made, but a link in it (a model/ or .lock pointing elsewhere, or to itself) is refused, not written
-# through. The run writing the folder holds an OS lock on this file in it: a second run into the folder
-# is refused, and a run that crashed leaves no stale lock (the OS drops it with the process).
-LOCK_FILE = ".lock"
+# What a run may touch (docs/running.md): only inside --output-dir, following no link there: the folder
+# may be a link the user made, but a link in it (a model/ or .lock pointing elsewhere, or to itself) is
+# refused, not written through. There, only the entries below, each of its kind (another is refused before
+# any work, not moved aside or failed on after the training), and the staging its saves record
+# (files.record_staging). The run writing the folder holds an OS lock on this file in it: a second run
+# into the folder is refused, and a run that crashed leaves no stale lock (the OS drops it with the process).
+LOCK_FILE = RECORD_FILE
+RUN_ENTRIES = {"model": "folder", "checkpoint": "folder", "tensorboard": "folder", "result.json": "file",
+               "trace.json": "file", LOCK_FILE: "file"}
+# What a run replaces whole at each save, with everything in it: no other run's folder may lie there.
+REPLACED = [name for name, kind in RUN_ENTRIES.items() if kind == "folder"]
 output_lock = None  # (the open lock file, whether this run created the folder) while this process holds it
 
 
@@ -301,34 +306,71 @@ def claim_output_dir(path):
         return
     created = not path.exists()
     try:
+        refuse_a_running_runs_folder(path)
         path.mkdir(parents=True, exist_ok=True)
-        links = sorted(entry.name for entry in os.scandir(path) if entry.is_symlink())
-        if links:
-            raise UserError(f"--output-dir {path} holds links ({', '.join(links)}): a run writes only inside its "
-                            "folder and follows no link there: remove them, or choose another --output-dir")
-        lock = lock_output_dir(path)
+        check_entries(path)
+        lock, record = lock_output_dir(path)
     except OSError as error:  # read-only, not ours, or full: found now, not after the training
         raise UserError(f"--output-dir {path} is not writable: {error.strerror}") from None
     output_lock = lock, created
-    cleared = clear_dead_staging(path)
+    cleared = clear_dead_staging(path, record)
     if cleared:
         print(f"note: in {path}, what saves killed mid-write left: {'; '.join(cleared)}", flush=True)
 
 
+def check_entries(path):
+    """The run's entries in `path` are absent or of their kind (RUN_ENTRIES), and no link is there."""
+    links = sorted(entry.name for entry in os.scandir(path) if entry.is_symlink())
+    if links:
+        raise UserError(f"--output-dir {path} holds links ({', '.join(links)}): a run writes only inside its "
+                        "folder and follows no link there: remove them, or choose another --output-dir")
+    for name, kind in RUN_ENTRIES.items():
+        with contextlib.suppress(FileNotFoundError):
+            if ("folder" if stat.S_ISDIR(os.lstat(path / name).st_mode) else "file") != kind:
+                raise UserError(f"--output-dir {path} holds a {'folder' if kind == 'file' else 'file'} named "
+                                f"{name}, where a run writes its {name} {kind}: move it away, or choose another "
+                                "--output-dir")
+
+
+def refuse_a_running_runs_folder(path):
+    """`path` is not in what a running run replaces at its next save (its model/, checkpoint/,
+    tensorboard/), nor does such a folder of `path` hold a running run."""
+    path = Path(os.path.realpath(path))
+    for outer in path.parents:
+        inner = outer / path.relative_to(outer).parts[0]
+        if inner.name in REPLACED and is_held(outer / LOCK_FILE):
+            raise UserError(f"--output-dir {path} lies in {inner}, which the run holding {outer} replaces at its "
+                            "next save: choose a folder outside it")
+    for name in REPLACED:
+        held = next((lock.parent for lock in (path / name).rglob(LOCK_FILE) if is_held(lock)), None)
+        if held:
+            raise UserError(f"--output-dir {path}: the run holding {held} lies in its {name}/, which this run "
+                            "would replace: choose another --output-dir, or wait for that run to end")
+
+
+def is_held(lock_path):
+    """Whether a running process holds the lock `lock_path` (a shared lock cannot be had beside it)."""
+    try:
+        with open(lock_path, encoding="utf-8", opener=no_link) as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # none there, a link, or no locks on its filesystem
+        return False
+    return False
+
+
 def lock_output_dir(path):
-    """The lock file of `path`, open and locked by this process, or one line naming the run holding it."""
+    """The lock file of `path`, open and locked by this process, and the record of the run that held it
+    before (files.clear_dead_staging); or one line naming the run holding it."""
     lock_path = path / LOCK_FILE
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISREG(os.lstat(lock_path).st_mode):
-            raise UserError(f"--output-dir {path} holds a {LOCK_FILE} that is not a file (the lock a run takes "
-                            "there): remove it")
-    while True:  # O_NOFOLLOW: a .lock that became a link since the check above is refused, not written through
-        lock = open(lock_path, "a+", encoding="utf-8", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW))
+    while True:  # O_NOFOLLOW: a .lock that became a link since check_entries is refused, not written through
+        lock = open(lock_path, "a+", encoding="utf-8", opener=no_link)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
-            holder = lock.read().strip() or "another run"
+            holder = lock.readline().strip() or "another run"
             lock.close()
             raise UserError(f"--output-dir {path} is in use by {holder}: wait for that run to end, or "
                             "choose another --output-dir") from None
@@ -340,10 +382,12 @@ def lock_output_dir(path):
         if lock_path.exists() and os.path.samestat(os.fstat(lock.fileno()), lock_path.stat()):
             break
         lock.close()
+    lock.seek(0)
+    record = lock.read()
     lock.truncate(0)
-    lock.write(f"the run of pid {os.getpid()} on {socket.gethostname()}")
+    lock.write(holder_line(os.getpid()) + "\n")
     lock.flush()
-    return lock
+    return lock, record
 
 
 def release_output_dir():

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 from .errors import UserError, first_cause
@@ -28,32 +29,72 @@ def staged_dir(path):
 # What a save writes beside its target, named with its process id: .NAME.tmp-PID (the new contents) and
 # .NAME.old-PID (the old, being removed); .NAME.staging is a collective save's, named alike in every process.
 STAGED_NAME = re.compile(r"\.(.+)\.(?:(?P<role>tmp|old)-(?P<pid>\d+)|staging)")
+# The record of a run's staging: the lock file of the folder it holds (cli.py), whose first line names the
+# holding process and whose other lines the staging names the run made there, each before making it. Only
+# what a dead run recorded is ever renamed or removed: a name alike that the suite did not write stays.
+RECORD_FILE = ".lock"
+recorded = set()  # (record, name) pairs this process has written
+
+
+def holder_line(pid):
+    """The record's first line: the process holding the folder."""
+    return f"the run of pid {pid} on {socket.gethostname()}"
 
 
 def staged_name(path, role):
-    """Where this process stages `path`'s new contents (role "tmp") or its old ones (role "old")."""
-    return path.with_name(f".{path.name}.{role}-{os.getpid()}")
+    """Where this process stages `path`'s new contents (role "tmp"), its old ones ("old"), or a collective
+    save's ("staging", the same name in every process), recorded first where this run holds the folder."""
+    staging = path.with_name(f".{path.name}.{role}" + (f"-{os.getpid()}" if role != "staging" else ""))
+    record_staging(staging)
+    return staging
 
 
-def clear_dead_staging(folder):
-    """Clear what saves left staged in `folder` when their process was killed mid-write (SIGKILL, a
-    power cut): staging named with a process that no longer runs on this machine, and a collective save's,
-    which only the run holding the folder writes. A save killed between replace_dir's two renames is
-    finished first: its new contents were complete. Returns what it did, a phrase each. Its caller holds
-    the folder's lock."""
-    done = []
-    for entry in sorted(Path(folder).iterdir()):
-        staged = STAGED_NAME.fullmatch(entry.name)
-        if not staged or (staged["pid"] and process_runs(int(staged["pid"]))):
+def record_staging(staging):
+    """Add `staging` to the record of its folder when this process holds the folder, or its parent does
+    (spawn's processes): nothing when the folder is another run's, or no run's."""
+    record = staging.parent / RECORD_FILE
+    if (record, staging.name) in recorded:
+        return
+    try:
+        with open(record, "r+", encoding="utf-8", opener=appending) as file:
+            if file.readline().strip() not in (holder_line(os.getpid()), holder_line(os.getppid())):
+                return
+            file.write(f"{staging.name}\n")
+    except OSError:  # no record there (a folder no run holds), or a link
+        return
+    recorded.add((record, staging.name))
+
+
+def no_link(name, flags):
+    """open()'s opener that refuses a link (O_NOFOLLOW): a record or lock is never written through one."""
+    return os.open(name, flags | os.O_NOFOLLOW)
+
+
+def appending(name, flags):
+    """no_link's, every write at the end (O_APPEND): spawn's processes and their parent record one after another."""
+    return no_link(name, flags | os.O_APPEND)
+
+
+def clear_dead_staging(folder, record):
+    """Clear what the saves of the run that held `folder` before this one left staged when it was killed
+    mid-write (SIGKILL, a power cut): the names in its `record` (the lines of its lock file, read before
+    this run took it), unless a process of that name still runs. A save killed between replace_dir's two
+    renames is finished first: its new contents were complete. Returns what it did, a phrase each. Its
+    caller holds the folder's lock."""
+    done, folder = [], Path(folder)
+    names = sorted(name for name in record.splitlines()[1:] if STAGED_NAME.fullmatch(name) and "/" not in name)
+    for name in sorted(names, key=lambda name: STAGED_NAME.fullmatch(name)["role"] != "old"):  # the olds first
+        entry, staged = folder / name, STAGED_NAME.fullmatch(name)
+        if not os.path.lexists(entry) or (staged["pid"] and process_runs(int(staged["pid"]))):
             continue
         target = entry.with_name(staged[1])
-        if staged["role"] == "old" and not target.exists():
-            new = [path for path in (entry.with_name(f".{target.name}.tmp-{staged['pid']}"),
-                                     entry.with_name(f".{target.name}.staging")) if path.exists()]
+        if staged["role"] == "old" and not os.path.lexists(target):
+            new = [folder / other for other in (f".{target.name}.tmp-{staged['pid']}", f".{target.name}.staging")
+                   if other in names and os.path.lexists(folder / other)]
             (new[0] if new else entry).rename(target)
             done.append(f"finished the interrupted save of {target.name}")
-        if entry.exists():
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        if os.path.lexists(entry):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             done.append(f"removed {entry.name}")
     return done
 
@@ -134,5 +175,9 @@ def write_json(path, data):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = staged_name(path, "tmp")
-    staging.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-    os.replace(staging, path)
+    try:
+        staging.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise

@@ -119,6 +119,15 @@ def test_predict_with_no_text(tmp_path):
     assert_clean_error(process, "no text to classify")
 
 
+def test_predict_reads_its_texts_from_standard_input_with_file_dash(single_reference, monkeypatch):
+    import io
+    import sys
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("今天 天气 真好\n\n气死我了\n".encode())))
+    process = run_in_process(["predict.py", "--checkpoint", single_reference / "model", "--file", "-"])
+    assert process.returncode == 0, process.stderr
+    assert [line.split("\t")[-1] for line in process.stdout.splitlines()] == ["今天 天气 真好", "气死我了"]
+
+
 @pytest.mark.parametrize("option, value, fragment", [
     ("--lr", "-1", "--lr must be a positive number, got -1"),
     ("--lr", "inf", "--lr must be a positive number, got inf"),
@@ -243,17 +252,23 @@ def test_more_processes_than_gpus_share_them_only_over_gloo(monkeypatch):
 
 def test_a_second_run_into_the_same_output_dir_is_refused_naming_the_first(tmp_path):
     """The first run is another open lock of the folder, as another process's would be; the OS drops
-    it with its holder, so a lock file left by a run that crashed stops nobody."""
+    it with its holder, so a lock file left by a run that crashed stops nobody. A folder in what a
+    running run replaces at its next save (its model/ here), or holding such a run, is refused too."""
     import fcntl
     from support import cli
-    with open(tmp_path / cli.LOCK_FILE, "w", encoding="utf-8") as first:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with open(folder / cli.LOCK_FILE, "w", encoding="utf-8") as first:
         fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
         first.write("the run of pid 4242 on somehost")
         first.flush()
-        assert_clean_error(train("--output-dir", str(tmp_path)), f"--output-dir {tmp_path} is in use by the run "
-                                                                  "of pid 4242 on somehost")
-    assert_clean_error(train("--output-dir", str(tmp_path), "--data", "no-such-file.json"), "data file not found")
-    assert not list(tmp_path.iterdir())  # the lock is removed with its run
+        assert_clean_error(train("--output-dir", str(folder)), f"--output-dir {folder} is in use by the run "
+                                                                "of pid 4242 on somehost")
+        assert_clean_error(train("--output-dir", folder / "checkpoint" / "mine"),
+                           f"lies in {folder / 'checkpoint'}, which the run holding {folder} replaces")
+        assert_clean_error(train("--output-dir", tmp_path), f"the run holding {folder} lies in its model/")
+    assert_clean_error(train("--output-dir", str(folder), "--data", "no-such-file.json"), "data file not found")
+    assert list(tmp_path.iterdir()) == [folder] and not list(folder.iterdir())  # the lock is removed with its run
 
 
 def test_a_read_only_output_dir_is_refused_before_training(tmp_path):
@@ -282,8 +297,13 @@ def folder_holding(path, name, make):
     (lambda tmp: link(tmp / "dangling", "nowhere") / "out", "dangling is a link to nowhere, which does not exist"),
     (lambda tmp: tmp / ("名" * 100) / "out", "is 300 bytes, its filesystem holds at most 255"),
     (lambda tmp: tmp.joinpath(*["d" * 254] * 15), "bytes long, too long for the run's files below it"),
-    (lambda tmp: folder_holding(tmp / "out", ".lock", lambda path: path.mkdir()), "holds a .lock that is not a file"),
+    (lambda tmp: folder_holding(tmp / "out", ".lock", lambda path: path.mkdir()), "holds a folder named .lock,"),
     (lambda tmp: folder_holding(tmp / "out", "model", lambda path: path.symlink_to(path)), "holds links (model)"),
+    # Not moved aside (to .model.old-PID, and left there), nor failed on after the whole training.
+    (lambda tmp: folder_holding(tmp / "out", "model", lambda path: path.touch()), "holds a file named model, where"),
+    (lambda tmp: folder_holding(tmp / "out", "checkpoint", lambda path: path.touch()), "a file named checkpoint"),
+    (lambda tmp: folder_holding(tmp / "out", "tensorboard", lambda path: path.touch()), "a file named tensorboard"),
+    (lambda tmp: folder_holding(tmp / "out", "result.json", lambda path: path.mkdir()), "a folder named result.json"),
 ])
 def test_an_output_dir_no_run_can_use_is_named_before_any_work(tmp_path, output_dir, fragment):
     assert_clean_error(train("--output-dir", output_dir(tmp_path), data="no-such-file.json"), fragment)

@@ -237,6 +237,11 @@ def test_the_paths_a_user_passes_on_are_in_the_users_folder_not_the_repository(t
     (["--publish", "../x"], "error: --publish ../x: a suffix of lower-case letters, digits and dashes"),
     (["--nnodes", "1,0"], "error: --nnodes takes node counts of at least 1"),
     (["--batch-size", "32,0"], "error: --batch-size takes batch sizes of at least 1, like 2 or 1,2,4; got '32,0'"),
+    (["--batch-size", "8,8"], "error: --batch-size 8,8: 8 given twice; each batch size makes its own rows"),
+    (["--nprocs", "1,2,1"], "error: --nprocs 1,2,1: 1 given twice; each process count makes its own rows"),
+    # Each script would refuse it, one launch after another.
+    (["--only", "single,ddp", "--max-samples", "40", "--batch-size", "19"],
+     "error: 1 row(s) would train on a global batch larger than the 37 training samples (ddp: 38)"),
     (["--global-batch", "64", "--batch-size", "16,32"], "error: --global-batch sets each script's --batch-size"),
     (["--nnodes", "2"], "error: --nnodes 2 runs each row across the nodes of a Slurm job: submit slurm/benchmark.sbatch"),
     (["--max-samples", "1"], "error: --max-samples must be at least 2, got 1"),
@@ -251,11 +256,18 @@ def test_bad_options_fail_at_once_in_one_line(tmp_path, options, message):
     assert "Traceback" not in process.stderr and not list(tmp_path.iterdir())
 
 
-def test_an_output_dir_that_is_a_file_is_refused_in_one_line(tmp_path):
+def test_an_output_dir_that_is_a_file_or_in_use_is_refused_in_one_line(tmp_path):
     path = tmp_path / "a-file"
     path.write_text("x", encoding="utf-8")
     process = run_in_process(["benchmark.py", "--output-dir", str(path)], env=CPU_ONLY)
     assert process.returncode == 2 and process.stderr == f"error: --output-dir {path} is a file, not a folder\n"
+    # The runner locks its folder as the scripts do: a second one would replace the report and the row logs.
+    import fcntl
+    with open(tmp_path / cli.LOCK_FILE, "w", encoding="utf-8") as first:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        process = run_in_process(["benchmark.py", "--only", "single", "--output-dir", str(tmp_path)], env=CPU_ONLY)
+    assert process.returncode == 2 and process.stderr == (f"error: --output-dir {tmp_path} is in use by another run: "
+                                                          "wait for that run to end, or choose another --output-dir\n")
 
 
 def test_more_processes_than_cores_are_said_before_the_first_launch(tmp_path, monkeypatch):

@@ -277,8 +277,10 @@ def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(caps
 def test_the_next_run_in_a_folder_clears_the_staging_of_dead_runs(tmp_path):
     """What saves killed mid-write (SIGKILL) left beside their targets, 316 MB a checkpoint at base-shape,
     goes with the next run into the folder; the staging of a process still running stays. A folder set
-    aside by a save killed before its new one was ready is put back."""
+    aside by a save killed before its new one was ready is put back. Only what the dead run recorded goes
+    (files.record_staging): names alike that no run of the suite wrote stay."""
     from test_bad_input import assert_clean_error
+    from test_resume import dead_run_recorded
     finished = subprocess.Popen(["true"])
     finished.wait()  # its pid names a process that no longer runs
     dead = [f".checkpoint.tmp-{finished.pid}", f".model.old-{finished.pid}", ".checkpoint.staging"]
@@ -287,7 +289,11 @@ def test_the_next_run_in_a_folder_clears_the_staging_of_dead_runs(tmp_path):
         (tmp_path / name / "training_state.pt").write_bytes(b"half a checkpoint")
     (tmp_path / f".result.json.tmp-{finished.pid}").write_text("{", encoding="utf-8")
     (tmp_path / ".model.tmp-1").mkdir()  # pid 1, init: always running
+    someone_elses = [".notes.txt.old-999999", ".draft.md.tmp-999998", ".photos.staging", ".model.old-999997"]
+    for name in someone_elses:
+        (tmp_path / name).mkdir() if name.endswith("staging") else (tmp_path / name).write_text(name, encoding="utf-8")
+    dead_run_recorded(tmp_path, finished.pid, *dead, ".model.tmp-1", f".result.json.tmp-{finished.pid}")
     process = run_in_process(["single-gpu-cls.py", *SMALL, "--output-dir", tmp_path, "--data", "no-such-file.json"])
     assert_clean_error(process, "data file not found")
-    assert sorted(path.name for path in tmp_path.iterdir()) == [".model.tmp-1", "model"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([".model.tmp-1", "model", *someone_elses])
     assert (tmp_path / "model" / "training_state.pt").read_bytes() == b"half a checkpoint"

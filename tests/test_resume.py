@@ -249,6 +249,7 @@ def test_a_damaged_checkpoint_is_refused_and_a_killed_save_is_finished_or_cleare
     dead = finished.pid  # names a process that no longer runs
     (tmp_path / "checkpoint").rename(tmp_path / f".checkpoint.old-{dead}")
     shutil.copytree(saved, tmp_path / f".checkpoint.tmp-{dead}")
+    dead_run_recorded(tmp_path, dead, f".checkpoint.old-{dead}", f".checkpoint.tmp-{dead}")
     process = run_in_process(command)
     assert process.returncode == 0, process.stderr[-2000:]
     assert (f"what saves killed mid-write left: finished the interrupted save of checkpoint; removed "
@@ -257,7 +258,13 @@ def test_a_damaged_checkpoint_is_refused_and_a_killed_save_is_finished_or_cleare
     assert read_result(tmp_path)["resumed_from_step"] == 8
     shutil.rmtree(tmp_path / "checkpoint")
     (tmp_path / f".checkpoint.tmp-{dead}").mkdir()  # killed while writing its first checkpoint
+    dead_run_recorded(tmp_path, dead, f".checkpoint.tmp-{dead}")
     process = run_in_process(command)
     assert process.returncode == 0, process.stderr[-2000:]
     assert f"left: removed .checkpoint.tmp-{dead}" in process.stdout
     assert f"--resume: no checkpoint in {tmp_path / 'checkpoint'}, starting from step 0" in process.stdout
+
+
+def dead_run_recorded(folder, pid, *staging):
+    """The .lock a run of `pid` killed mid-save left in `folder`: what it staged there (files.record_staging)."""
+    (folder / ".lock").write_text("\n".join([f"the run of pid {pid} on somehost", *staging, ""]), encoding="utf-8")

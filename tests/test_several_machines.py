@@ -343,17 +343,21 @@ def test_a_batch_file_without_the_venv_says_so_before_asking_slurm_anything(tmp_
                                       "(./test.sh --quick sets it up)")
 
 
-def test_a_batch_file_run_by_bash_outside_slurm_says_to_sbatch_it_and_makes_nothing(tmp_path):
-    """`bash slurm/x.sbatch` on a login node: one line naming sbatch, no output folder left behind."""
+@pytest.mark.parametrize("job_id", [None, "7"])
+def test_a_batch_file_run_by_bash_outside_slurm_says_to_sbatch_it_and_makes_nothing(tmp_path, job_id):
+    """`bash slurm/x.sbatch` on a login node: one line naming sbatch, no output folder left behind; also
+    with a SLURM_JOB_ID left in the environment, on a machine without Slurm's commands."""
     outside_slurm = {name: value for name, value in os.environ.items() if not name.startswith("SLURM_")}
     for batch_file in sorted((ROOT / "slurm").glob("*.sbatch")):
-        output_dir = tmp_path / batch_file.stem
-        process = subprocess.run(["bash", f"slurm/{batch_file.name}", "--epochs", "1"], cwd=ROOT, capture_output=True,
-                                 text=True, env={**outside_slurm, "OUTPUT_DIR": str(output_dir)}, timeout=60)
+        output_dir, name = tmp_path / batch_file.stem, f"slurm/{batch_file.name}"
+        process = subprocess.run(["bash", name, "--epochs", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                 env={**outside_slurm, "OUTPUT_DIR": str(output_dir), "DEVICE": "cpu",
+                                      **({"SLURM_JOB_ID": job_id} if job_id else {})})
         assert (process.returncode, process.stderr.splitlines()) == (2, [
-            f"error: slurm/{batch_file.name} runs as a Slurm job: submit it from the repository root with "
-            f"`sbatch --gres gpu:N slurm/{batch_file.name}` (N GPUs per node; on CPU nodes "
-            f"`DEVICE=cpu sbatch slurm/{batch_file.name}`)"]), process.stderr
+            f"error: SLURM_JOB_ID is set (7) but this machine has no scontrol nor srun (Slurm's commands): {name} runs "
+            f"as a Slurm job: submit it from the repository root with `sbatch --gres gpu:N {name}`" if job_id else
+            f"error: {name} runs as a Slurm job: submit it from the repository root with `sbatch --gres gpu:N {name}` "
+            f"(N GPUs per node; on CPU nodes `DEVICE=cpu sbatch {name}`)"]), process.stderr
         assert not output_dir.exists()
 
 
@@ -361,9 +365,12 @@ def test_a_gpu_job_submitted_without_gpus_says_how_to_ask_for_them_and_makes_not
     """`sbatch slurm/x.sbatch` without --gres on a GPU cluster: one line, before the nodes are asked anything."""
     in_a_job = {name: value for name, value in os.environ.items()
                 if not name.startswith("SLURM_") and name not in ("GPUS_PER_NODE", "DEVICE")}
+    for command in ("scontrol", "srun"):  # a job's machine has them; this check asks them nothing
+        (tmp_path / command).write_text("#!/bin/sh\nexit 1\n", encoding="utf-8")
+        (tmp_path / command).chmod(0o755)
     process = subprocess.run(["bash", "slurm/benchmark.sbatch"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                              env={**in_a_job, "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(ROOT),
-                                  "OUTPUT_DIR": str(tmp_path / "out")})
+                                  "OUTPUT_DIR": str(tmp_path / "out"), "PATH": f"{tmp_path}:{os.environ['PATH']}"})
     assert (process.returncode, process.stderr.splitlines()) == (2, [
         "error: this job was given no GPUs: submit it with sbatch --gres gpu:N (N GPUs per node; GPUS_PER_NODE=N "
         "where the cluster has no gres), or with DEVICE=cpu on a CPU cluster"]), process.stderr
