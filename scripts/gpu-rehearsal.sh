@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's stack rehearsed on a CPU, so that a version problem shows here and not in its minutes
-# (docs/gpu.md): a Python 3.12 venv in .venv-gpu/ (built once) with that machine's versions, DeepSpeed
+# (docs/gpu.md): that machine's versions in .venv-gpu/ (scripts/gpu-venv.sh, built once), DeepSpeed
 # from the wheels scripts/fetch-gpu-wheels.sh brings, then scripts/gpu-check.sh's whole plan on the CPU
 # (--device cpu: gloo, CUDA hidden) at tiny and base-shape size, a few steps each. Not faked: rows and
 # precisions that need a GPU (TF32, fp16's peak, CUDA graphs) are left out, each said so, and the tests
@@ -10,12 +10,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-# The GPU machine's versions (docs/gpu.md). torch 2.11.0 has no CPU build on PyPI for Linux: its wheel
-# there is the CUDA 13.0 build (several GB with the nvidia wheels), which runs on a CPU as well.
-# DeepSpeed's own requirements the machine has (einops ... py-cpuinfo); the wheels bring the others.
-PINS=(torch==2.11.0 transformers==5.17.0 tokenizers==0.23.3 huggingface-hub==1.33.0 accelerate==1.15.0
-      lightning==2.6.6 numpy==2.5.5 scikit-learn==1.9.1 matplotlib==3.11.2 safetensors==0.8.0 tqdm==4.70.1
-      psutil==7.2.2 pytest==9.2.0 pytest-xdist==3.8.0 einops==0.8.2 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0)
 VENV=.venv-gpu WHEELS=.whl
 out=output/gpu-rehearsal
 case "${1:-}" in
@@ -24,24 +18,8 @@ case "${1:-}" in
     *) echo "error: unknown option '$1' (scripts/gpu-rehearsal.sh [--out DIR])" >&2; exit 2 ;;
 esac
 
-python312=${PYTHON312:-}
-if [ -z "$python312" ]; then
-    for candidate in python3.12 "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12"; do
-        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-            python312=$candidate; break
-        fi
-    done
-fi
-[ -n "$python312" ] || { echo "error: no Python 3.12 found (PYTHON312=... names one)" >&2; exit 1; }
-
 started=$(date +%s)
-if [ "$(cat "$VENV/.pins" 2>/dev/null)" != "${PINS[*]}" ]; then
-    echo "gpu-rehearsal: building $VENV with ${PINS[*]}"
-    rm -rf "$VENV"
-    "$python312" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --progress-bar off "${PINS[@]}"
-    echo "${PINS[*]}" > "$VENV/.pins"
-fi
+scripts/gpu-venv.sh
 if ! compgen -G "$WHEELS/deepspeed-*.whl" > /dev/null; then
     scripts/fetch-gpu-wheels.sh "$WHEELS" 3.12
 fi

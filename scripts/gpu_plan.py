@@ -309,7 +309,8 @@ def describe(plan, args, measured_from):
     if plan.dropped:
         lines.append(f"dropped: {', '.join(unit.name for unit in plan.dropped)} (a larger --budget, or name their "
                      "groups in another call)")
-    lines.append("run it on one H100 without network, with DeepSpeed's wheels fetched here (scripts/fetch-gpu-wheels.sh .whl):")
+    lines.append("run it on one H100 without network, with the wheels made here (scripts/fetch-gpu-wheels.sh .whl, "
+                 "scripts/build-horovod-gpu-wheel.sh .whl):")
     lines.append(f"  {THERE}")
     return "\n".join(lines)
 

@@ -1,5 +1,5 @@
-"""The GPU paths: NCCL, DataParallel over real GPUs, fp16 with its gradient scaler, DeepSpeed fp16,
-FSDP2 in bf16, and the GPU memory each run reports. The rest of the suite runs on the CPU (SMALL's
+"""The GPU paths: NCCL (torch's and Horovod's), DataParallel over real GPUs, fp16 with its gradient scaler,
+DeepSpeed fp16, FSDP2 in bf16, and the GPU memory each run reports. The rest of the suite runs on the CPU (SMALL's
 --device cpu) on every machine; this module runs only where torch sees a CUDA GPU, and is skipped,
 with the reason, everywhere else. Each test names the GPUs it needs and is skipped on fewer.
 
@@ -174,6 +174,26 @@ def test_two_processes_sharing_one_gpu_over_gloo_equal_one_gpu(tmp_path, single_
     result = assert_gpu_run(tmp_path, world_size=2)
     assert result["global_batch_size"] == 32
     assert_same_weights(single_gpu / "model", tmp_path / "model")
+
+
+@needs(1)
+def test_horovod_talks_over_nccl_and_equals_one_gpu_at_the_same_global_batch(tmp_path, single_gpu):
+    """multi-gpu-horovod-cls.py under horovodrun, a process per GPU (at most 2), Horovod built with NCCL
+    (scripts/build-horovod-gpu-wheel.sh). Horovod's timeline names NCCL's broadcast (the weights) and
+    all-reduce (the loss; with 2 processes the gradients too: at one, DistributedOptimizer reduces none),
+    where a build without NCCL would copy every GPU tensor to the CPU for Gloo."""
+    require("horovod")
+    import horovod.torch as hvd
+    assert hvd.nccl_built(), "this Horovod was built without NCCL: scripts/build-horovod-gpu-wheel.sh builds one"
+    timeline, output = tmp_path / "timeline.json", tmp_path / "run"
+    run([PYTHON, "-m", "horovod.runner.launch", "-np", str(PROCESSES), "-H", f"localhost:{PROCESSES}", "--gloo",
+         "--timeline-filename", str(timeline), PYTHON, "multi-gpu-horovod-cls.py", *GPU, *EXACT,
+         "--batch-size", str(32 // PROCESSES), "--output-dir", str(output)])
+    result = assert_gpu_run(output, world_size=PROCESSES)
+    assert (result["strategy"], result["global_batch_size"]) == ("horovod", 32)
+    names = timeline.read_text()
+    assert '"NCCL_BCAST"' in names and '"NCCL_ALLREDUCE"' in names, "Horovod's timeline shows no NCCL operation"
+    assert_same_weights(single_gpu / "model", output / "model")
 
 
 def scaler_state(output_dir):
