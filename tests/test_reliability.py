@@ -124,6 +124,43 @@ def test_a_signal_after_the_last_step_lets_the_run_finish_its_evaluation_and_mod
     assert fatal == [] and logged == ["SIGUSR1 came after the last step: the run finishes before it stops"]
 
 
+def test_a_second_stop_signal_cuts_no_clean_up_short():
+    """launch.py's rule: a process stops once. A rank often gets a stop signal twice (the group's, then
+    its launcher's passing it on, or its parent's death): the second, during the clean-up the first
+    started, changes nothing. It used to raise there: a spawn rank with --num-workers 1 and SIGTERM sent
+    to the group never told its DataLoader worker to end, waited for it, and was killed 30 s later."""
+    cleaned = []
+
+    def main():
+        try:
+            signal.raise_signal(signal.SIGTERM)  # the group's: the run stops (KeyboardInterrupt)
+        finally:
+            signal.raise_signal(signal.SIGTERM)  # the launcher's, passing it on, during the clean-up
+            cleaned.append("the DataLoader's workers ended, the group left, the folder's lock released")
+    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    try:
+        with pytest.raises(SystemExit) as exit:
+            cli.run(main)
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    assert exit.value.code == 130 and len(cleaned) == 1
+
+
+def test_a_rank_that_outlives_the_stop_is_named_when_killed(capsys):
+    """The spawn script's parent gives its ranks 30 s after SIGTERM, as torchrun does; one it then kills
+    hung, and the parent says so."""
+    from support import spawn_setup
+    killed = []
+    hung = SimpleNamespace(terminate=lambda: None, join=lambda timeout: None, is_alive=lambda: not killed,
+                           kill=lambda: killed.append(True))
+    spawn_setup.stop([SimpleNamespace(terminate=lambda: None, join=lambda timeout: None, is_alive=lambda: False),
+                      hung], first_rank=2)
+    assert killed == [True]
+    assert capsys.readouterr().err == ("error: rank 3 still ran 30 s after SIGTERM: killed by signal SIGKILL, its "
+                                       "clean-up undone\n")
+
+
 def test_ddp_script_started_without_its_launcher_says_how_to_launch_it():
     process = run_in_process(["multi-gpu-distributed-cls.py", *SMALL])
     assert process.returncode == 2
