@@ -48,20 +48,44 @@ NEEDS = {"horovodrun": "horovod", "deepspeed": "deepspeed", "accelerate launch":
 # status, whether the checkpoint is resumed): docs/running.md's table. Torch's elastic launcher
 # (torchrun, the legacy launch, accelerate launch, fabric run) passes SIGTERM on and dies of SIGUSR1,
 # deepspeed's command of both: their ranks stop with them. DataLoader workers (WORKERS' group cases:
-# one process alone, one launched) leave both to their process.
-SIGNALLED = [("python", "SIGTERM", "group", 2, True), ("python dataparallel", "SIGUSR1", "launcher", 2, False),
-             ("python spawn", "SIGUSR1", "launcher", 2, True), ("python spawn", "SIGTERM", "group", 2, False),
-             ("torchrun", "SIGTERM", "launcher", 1, True), ("torchrun", "SIGUSR1", "launcher", -10, False),
-             ("torchrun", "SIGUSR1", "group", -10, False),
+# one process alone, one launched) leave both to their process. A signal's checkpoint is saved as
+# --save-steps' are: it is resumed once per kind of save (whole under the legacy launcher, DeepSpeed's
+# under its command, collective under fabric run); test_resume.py resumes the others' strategies
+# under the same launchers (single, spawn, torchrun, horovodrun, accelerate launch).
+SIGNALLED = [("python", "SIGTERM", "group", 2, False), ("python dataparallel", "SIGUSR1", "launcher", 2, False),
+             ("python spawn", "SIGUSR1", "launcher", 2, False), ("python spawn", "SIGTERM", "group", 2, False),
+             ("torchrun", "SIGTERM", "launcher", 1, False), ("torchrun", "SIGUSR1", "launcher", -10, False),
              ("torch.distributed.launch", "SIGTERM", "group", 1, False),
              ("torch.distributed.launch", "SIGUSR1", "launcher", -10, True),
-             ("horovodrun", "SIGTERM", "launcher", 1, True),  # its ranks run in a session of their own: no group
+             ("horovodrun", "SIGTERM", "launcher", 1, False),  # its ranks run in a session of their own: no group
              ("deepspeed", "SIGTERM", "launcher", -15, True), ("deepspeed", "SIGUSR1", "group", -10, False),
-             ("accelerate launch", "SIGUSR1", "launcher", -10, True),
+             ("accelerate launch", "SIGUSR1", "launcher", -10, False),
              ("accelerate launch", "SIGTERM", "group", 1, False),
-             ("fabric run", "SIGTERM", "group", 1, True), ("fabric run", "SIGTERM", "launcher", 1, False)]
+             ("fabric run", "SIGTERM", "launcher", 1, True)]
 
 WORKERS = {"python", "torch.distributed.launch"}
+
+
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+
+
+@contextlib.contextmanager
+def adopting_orphans():
+    """While the block runs, this process adopts the orphans of what it starts (Linux's child subreaper):
+    the ranks of a launcher that died of a signal, which finish on their own. Reaped (reap), their CPU
+    seconds count in the cost table (conftest), as their launcher's would have."""
+    launch.LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        launch.LIBC.prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+def reap(processes):
+    """Reap those of `processes` (psutil's) that ended as this process's adopted orphans."""
+    for process in processes:
+        with contextlib.suppress(ChildProcessError):  # reaped by their own parent
+            os.waitpid(process.pid, os.WNOHANG)
 
 
 @pytest.mark.parametrize("launch, signal_name, to, status, resumed", SIGNALLED)
@@ -72,26 +96,30 @@ def test_a_signal_saves_the_step_stops_every_process_and_resumes_to_the_single_d
     process is left, the results of an earlier run in the folder are untouched; resumed, the run ends
     with single_reference's weights."""
     import hooks
+    import psutil
     if launch in NEEDS:
         require(NEEDS[launch])
     for name in ("model", "result.json"):  # the results of an earlier run in the same folder
         (shutil.copytree if name == "model" else shutil.copy)(single_reference / name, tmp_path / name)
     command = [*LAUNCH[launch](), *SMALL, *EXACT, "--save-on-signal", "--output-dir", str(tmp_path)]
     workers = ["--num-workers", "2"] if to == "group" and launch in WORKERS else []
-    launcher = subprocess.Popen([*command, *workers], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", hooks.SLOW_AFTER_ENV: "3"})
-    try:
-        output = "".join(itertools.takewhile(lambda line: "slow from step 3" not in line, launcher.stdout))
-        if to == "launcher":
-            launcher.send_signal(getattr(signal, signal_name))
-        else:
-            os.killpg(launcher.pid, getattr(signal, signal_name))
-        output += launcher.communicate(timeout=120)[0]
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-    assert_no_process_left(str(tmp_path))
+    with adopting_orphans():
+        launcher = subprocess.Popen([*command, *workers], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", hooks.SLOW_AFTER_ENV: "3"})
+        try:
+            output = "".join(itertools.takewhile(lambda line: "slow from step 3" not in line, launcher.stdout))
+            job = psutil.Process(launcher.pid).children(recursive=True)
+            if to == "launcher":
+                launcher.send_signal(getattr(signal, signal_name))
+            else:
+                os.killpg(launcher.pid, getattr(signal, signal_name))
+            output += launcher.communicate(timeout=120)[0]
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+        assert_no_process_left(str(tmp_path))
+        reap(job)
     assert digest(tmp_path / "model") == digest(single_reference / "model"), "the earlier model changed"
     assert (tmp_path / "result.json").read_bytes() == (single_reference / "result.json").read_bytes()
     stopped = re.findall(r"error: stopped by SIG\w+ after step (\d+): checkpoint saved in", output)
