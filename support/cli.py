@@ -39,10 +39,10 @@ def run(main):
     """Run `main()`, turning failures into one clear line on stderr and a non-zero exit; in a script that
     runs in a group (launch.in_a_group), after checking its launch variables."""
     import torch.distributed as dist  # for its rendezvous errors; every script has imported torch already
-    # SIGTERM and SIGUSR1 (a scheduler or launcher stopping the job) unwind like Ctrl-C: cleanup code
+    # SIGTERM and SIGUSR1 (a scheduler or launcher stopping the job) unwind like Ctrl-C, once: cleanup code
     # runs (--save-on-signal's handler takes over while training). A launched process stops with its launcher.
     for number in launch.STOP_SIGNALS:
-        signal.signal(number, signal.default_int_handler)
+        signal.signal(number, launch.stop_once)
     if launch.launched():
         launch.stop_with_the_parent()
     try:

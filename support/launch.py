@@ -148,6 +148,10 @@ def fabric_launcher():
 
 # What a scheduler or a launcher sends to stop a job: SIGTERM (preemption, `kill`, a launcher passing
 # it on), SIGUSR1 (a notice before the time limit). A training process's main thread decides what they do.
+# The rule: a process stops once. A job often gets several (the whole group's, then its launcher's
+# passing it on, then its parent's death): the first stops it, the later ones are noted and cut
+# nothing short, neither a checkpoint being written nor the clean-up after it (the DataLoader's workers
+# told to end, the process group left, the folder's lock released).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends
 LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
@@ -166,6 +170,19 @@ def stop_with_the_parent(parent=None):
     LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # it ended before the call: nothing would send the signal
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_once(number, frame):
+    """The stop signals' handler outside --save-on-signal's training: the first unwinds the process as
+    Ctrl-C does (KeyboardInterrupt: the clean-up code runs); later ones are ignored, as the rule says."""
+    for each in STOP_SIGNALS:
+        signal.signal(each, stopping_already)
+    raise KeyboardInterrupt
+
+
+def stopping_already(number, frame):
+    """A stop signal after the first changes nothing. (A handler of Python's, unlike SIG_IGN, does not
+    pass to a program the process starts.)"""
 
 
 def ignore_stop_signals(worker_id=None):

@@ -3,6 +3,7 @@ the lesson: torchrun's options and checks, a free rendezvous port, and stopping 
 torchrun would. free_port also serves benchmark.py, which imports this module without
 torch: torch is imported where it is used."""
 import socket
+import sys
 import time
 
 from .errors import UserError
@@ -62,7 +63,7 @@ def wait_for(processes, first_failure, args):
         while not processes.join(grace_period=SHUTDOWN_GRACE_SECONDS):
             pass
     except KeyboardInterrupt:
-        stop(processes.processes)
+        stop(processes.processes, args.node_rank * args.nprocs)
         if 2 in [process.exitcode for process in processes.processes]:
             raise SystemExit(2) from None
         raise
@@ -74,12 +75,15 @@ def wait_for(processes, first_failure, args):
         raise SystemExit(f"error: rank {rank} failed ({cause}); the other processes were stopped") from None
 
 
-def stop(processes):
-    """End the processes as torchrun would: SIGTERM (they clean up as on Ctrl-C), then SIGKILL."""
+def stop(processes, first_rank):
+    """End the processes (ranks first_rank, first_rank + 1, ...) as torchrun would: SIGTERM (they clean up
+    as on Ctrl-C), then SIGKILL, which says so: a rank still running then hung instead of stopping."""
     for process in processes:
         process.terminate()
     deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for process in processes:
+    for index, process in enumerate(processes):
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             process.kill()
+            print(f"error: rank {first_rank + index} still ran {STOP_GRACE_SECONDS} s after SIGTERM: killed by signal "
+                  "SIGKILL, its clean-up undone", file=sys.stderr, flush=True)

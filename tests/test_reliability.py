@@ -48,20 +48,44 @@ NEEDS = {"horovodrun": "horovod", "deepspeed": "deepspeed", "accelerate launch":
 # status, whether the checkpoint is resumed): docs/running.md's table. Torch's elastic launcher
 # (torchrun, the legacy launch, accelerate launch, fabric run) passes SIGTERM on and dies of SIGUSR1,
 # deepspeed's command of both: their ranks stop with them. DataLoader workers (WORKERS' group cases:
-# one process alone, one launched) leave both to their process.
-SIGNALLED = [("python", "SIGTERM", "group", 2, True), ("python dataparallel", "SIGUSR1", "launcher", 2, False),
-             ("python spawn", "SIGUSR1", "launcher", 2, True), ("python spawn", "SIGTERM", "group", 2, False),
-             ("torchrun", "SIGTERM", "launcher", 1, True), ("torchrun", "SIGUSR1", "launcher", -10, False),
-             ("torchrun", "SIGUSR1", "group", -10, False),
+# one process alone, one launched) leave both to their process. A signal's checkpoint is saved as
+# --save-steps' are: it is resumed once per kind of save (whole under the legacy launcher, DeepSpeed's
+# under its command, collective under fabric run); test_resume.py resumes the others' strategies
+# under the same launchers (single, spawn, torchrun, horovodrun, accelerate launch).
+SIGNALLED = [("python", "SIGTERM", "group", 2, False), ("python dataparallel", "SIGUSR1", "launcher", 2, False),
+             ("python spawn", "SIGUSR1", "launcher", 2, False), ("python spawn", "SIGTERM", "group", 2, False),
+             ("torchrun", "SIGTERM", "launcher", 1, False), ("torchrun", "SIGUSR1", "launcher", -10, False),
              ("torch.distributed.launch", "SIGTERM", "group", 1, False),
              ("torch.distributed.launch", "SIGUSR1", "launcher", -10, True),
-             ("horovodrun", "SIGTERM", "launcher", 1, True),  # its ranks run in a session of their own: no group
+             ("horovodrun", "SIGTERM", "launcher", 1, False),  # its ranks run in a session of their own: no group
              ("deepspeed", "SIGTERM", "launcher", -15, True), ("deepspeed", "SIGUSR1", "group", -10, False),
-             ("accelerate launch", "SIGUSR1", "launcher", -10, True),
+             ("accelerate launch", "SIGUSR1", "launcher", -10, False),
              ("accelerate launch", "SIGTERM", "group", 1, False),
-             ("fabric run", "SIGTERM", "group", 1, True), ("fabric run", "SIGTERM", "launcher", 1, False)]
+             ("fabric run", "SIGTERM", "launcher", 1, True)]
 
 WORKERS = {"python", "torch.distributed.launch"}
+
+
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+
+
+@contextlib.contextmanager
+def adopting_orphans():
+    """While the block runs, this process adopts the orphans of what it starts (Linux's child subreaper):
+    the ranks of a launcher that died of a signal, which finish on their own. Reaped (reap), their CPU
+    seconds count in the cost table (conftest), as their launcher's would have."""
+    launch.LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        launch.LIBC.prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+def reap(processes):
+    """Reap those of `processes` (psutil's) that ended as this process's adopted orphans."""
+    for process in processes:
+        with contextlib.suppress(ChildProcessError):  # reaped by their own parent
+            os.waitpid(process.pid, os.WNOHANG)
 
 
 @pytest.mark.parametrize("launch, signal_name, to, status, resumed", SIGNALLED)
@@ -72,26 +96,30 @@ def test_a_signal_saves_the_step_stops_every_process_and_resumes_to_the_single_d
     process is left, the results of an earlier run in the folder are untouched; resumed, the run ends
     with single_reference's weights."""
     import hooks
+    import psutil
     if launch in NEEDS:
         require(NEEDS[launch])
     for name in ("model", "result.json"):  # the results of an earlier run in the same folder
         (shutil.copytree if name == "model" else shutil.copy)(single_reference / name, tmp_path / name)
     command = [*LAUNCH[launch](), *SMALL, *EXACT, "--save-on-signal", "--output-dir", str(tmp_path)]
     workers = ["--num-workers", "2"] if to == "group" and launch in WORKERS else []
-    launcher = subprocess.Popen([*command, *workers], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", hooks.SLOW_AFTER_ENV: "3"})
-    try:
-        output = "".join(itertools.takewhile(lambda line: "slow from step 3" not in line, launcher.stdout))
-        if to == "launcher":
-            launcher.send_signal(getattr(signal, signal_name))
-        else:
-            os.killpg(launcher.pid, getattr(signal, signal_name))
-        output += launcher.communicate(timeout=120)[0]
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-    assert_no_process_left(str(tmp_path))
+    with adopting_orphans():
+        launcher = subprocess.Popen([*command, *workers], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", hooks.SLOW_AFTER_ENV: "3"})
+        try:
+            output = "".join(itertools.takewhile(lambda line: "slow from step 3" not in line, launcher.stdout))
+            job = psutil.Process(launcher.pid).children(recursive=True)
+            if to == "launcher":
+                launcher.send_signal(getattr(signal, signal_name))
+            else:
+                os.killpg(launcher.pid, getattr(signal, signal_name))
+            output += launcher.communicate(timeout=120)[0]
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+        assert_no_process_left(str(tmp_path))
+        reap(job)
     assert digest(tmp_path / "model") == digest(single_reference / "model"), "the earlier model changed"
     assert (tmp_path / "result.json").read_bytes() == (single_reference / "result.json").read_bytes()
     stopped = re.findall(r"error: stopped by SIG\w+ after step (\d+): checkpoint saved in", output)
@@ -122,6 +150,43 @@ def test_a_signal_after_the_last_step_lets_the_run_finish_its_evaluation_and_mod
         for number, handler in handlers.items():
             signal.signal(number, handler)
     assert fatal == [] and logged == ["SIGUSR1 came after the last step: the run finishes before it stops"]
+
+
+def test_a_second_stop_signal_cuts_no_clean_up_short():
+    """launch.py's rule: a process stops once. A rank often gets a stop signal twice (the group's, then
+    its launcher's passing it on, or its parent's death): the second, during the clean-up the first
+    started, changes nothing. It used to raise there: a spawn rank with --num-workers 1 and SIGTERM sent
+    to the group never told its DataLoader worker to end, waited for it, and was killed 30 s later."""
+    cleaned = []
+
+    def main():
+        try:
+            signal.raise_signal(signal.SIGTERM)  # the group's: the run stops (KeyboardInterrupt)
+        finally:
+            signal.raise_signal(signal.SIGTERM)  # the launcher's, passing it on, during the clean-up
+            cleaned.append("the DataLoader's workers ended, the group left, the folder's lock released")
+    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    try:
+        with pytest.raises(SystemExit) as exit:
+            cli.run(main)
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    assert exit.value.code == 130 and len(cleaned) == 1
+
+
+def test_a_rank_that_outlives_the_stop_is_named_when_killed(capsys):
+    """The spawn script's parent gives its ranks 30 s after SIGTERM, as torchrun does; one it then kills
+    hung, and the parent says so."""
+    from support import spawn_setup
+    killed = []
+    hung = SimpleNamespace(terminate=lambda: None, join=lambda timeout: None, is_alive=lambda: not killed,
+                           kill=lambda: killed.append(True))
+    spawn_setup.stop([SimpleNamespace(terminate=lambda: None, join=lambda timeout: None, is_alive=lambda: False),
+                      hung], first_rank=2)
+    assert killed == [True]
+    assert capsys.readouterr().err == ("error: rank 3 still ran 30 s after SIGTERM: killed by signal SIGKILL, its "
+                                       "clean-up undone\n")
 
 
 def test_ddp_script_started_without_its_launcher_says_how_to_launch_it():
