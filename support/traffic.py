@@ -206,15 +206,18 @@ def formula(strategy, model, micro_batches, sharded):
 def deepspeed_formula(engine, parameters, count, micro_batches):
     """DeepSpeed's ZeRO: stage 0 all-reduces the gradients once per step; stage 1 too, then gathers the
     updated weights; stage 2 all-reduces them at every micro-batch (it reduces into its partitions as
-    backward goes); stage 3 reduce-scatters at every micro-batch and gathers the weights it shards (not
-    those under its persistence threshold, held whole) for forward and again for backward."""
+    backward goes); stage 3 reduce-scatters at every micro-batch, gathers the weights it shards for
+    forward, and again for backward unless they all fit its reuse distance and live-parameter limits
+    (1e9 elements by default: it keeps them), and after the step gathers the updated weights under its
+    persistence threshold, which every process holds whole."""
     stage = engine.zero_optimization_stage()
     weight_bytes = 2 if engine.fp16_enabled() or engine.bfloat16_enabled() else 4
     gradient_bytes = weight_bytes
     if stage == 3:
         gathered = sum(p.ds_numel for p in parameters if not getattr(p, "ds_persist", False))
-        return {"reduce-scatter": micro_batches * count * gradient_bytes,
-                "all-gather": 2 * micro_batches * gathered * weight_bytes}
+        kept = gathered <= min(engine.zero_max_reuse_distance(), engine.zero_max_live_parameters())
+        gathers = micro_batches * gathered * (1 if kept else 2) + count - gathered
+        return {"reduce-scatter": micro_batches * count * gradient_bytes, "all-gather": gathers * weight_bytes}
     sent = {"all-reduce": (micro_batches if stage == 2 else 1) * count * gradient_bytes}
     if stage:
         sent["all-gather"] = count * weight_bytes
@@ -231,3 +234,17 @@ def fsdp_reshards_after_forward(model):
 def ring_total(sent, world_size):
     """What a ring moves in and out of each process for `sent` ({kind: payload bytes})."""
     return round(sum(ring_bytes(kind, size, world_size) for kind, size in sent.items()))
+
+
+def summary_line(result):
+    """The line a script prints about what rank 0 sent per step, against the formula."""
+    measured, allowed = result["collective_bytes"], result.get("collective_formula_bytes")
+    if measured["payload_bytes"] is None:
+        return f"bytes sent per step: not measured: {measured['note']}"
+    kinds = ", ".join(f"{kind} {totals['bytes'] / 2**20:.2f} MB in {totals['calls']:g} call(s)"
+                      for kind, totals in measured["kinds"].items()) or "none"
+    line = (f"bytes sent per step by rank 0 ({measured['steps']} step(s) recorded): {kinds}; a ring moves "
+            f"{measured['ring_bytes'] / 2**20:.2f} MB in and out of each process")
+    if allowed:
+        line += f" (the formula: {allowed['ring_bytes'] / 2**20:.2f} MB)"
+    return line
