@@ -1,7 +1,7 @@
 """The runner's tables of what each row sent (result.json's collective_bytes, support/traffic.py):
 the bytes per optimizer step by kind against the formula, and the step time they project to on more
-GPUs (a model, labelled as one). It measures nothing but this machine's all-reduce (microbenchmarks/allreduce.py), which the
-projection's check at 2 and 3 processes needs: the rows have measured the rest."""
+GPUs (a model, labelled as one). It measures only this machine's all-reduce (microbenchmarks/allreduce.py),
+which the projection's check at 2 and 3 processes needs: the rows have measured the rest."""
 import json
 import subprocess
 import sys
@@ -71,7 +71,7 @@ PUBLISHED_LINKS = (
 )
 PROJECTION_COLUMNS = ["row", "compute ms", *(f"{gpus} GPUs, {short}: step ms serial / overlapped (efficiency)"
                                              for gpus, short, _, _ in PUBLISHED_LINKS)]
-CHECK_COLUMNS = ["row", "processes", "compute ms (from)", "communication ms (model)", "predicted step ms serial",
+CHECK_COLUMNS = ["row", "processes", "compute ms", "communication ms (model)", "predicted step ms serial",
                  "overlapped", "measured step ms", "error serial", "error overlapped"]
 
 
@@ -93,17 +93,13 @@ def step_seconds(compute, communication):
     return compute + communication, max(compute, communication)
 
 
-def compute_seconds(row, interconnect):
+def compute_seconds(row):
     """The row's step without its communication: the steady step less the exposed communication that
-    --profile measured, else less the model's communication on this machine (none hidden)."""
+    --profile measured, else the whole steady step (its exposed communication included)."""
     step = row["steady_step_seconds"]
     if row.get("profile"):
         return max(step - row["profile"]["phases_ms"]["exposed communication"] / 1000, 0.0)
-    link = interconnect.get(str(row["processes"])) if interconnect else None
-    if not link or "busbw" not in link:
-        return step
-    return max(step - communication_seconds(row["collective_bytes"], row["processes"], link["busbw"],
-                                            link["latency_s"]), 0.0)
+    return step
 
 
 def projectable(row):
@@ -115,12 +111,11 @@ def project(report):
     """Each row's projection (row["projection"]): its step at 8 and 64 GPUs over PUBLISHED_LINKS, serial and
     overlapped, with the scaling efficiency (the compute's share of the step: each GPU keeps the row's
     work, weak scaling); and where the row ran on several processes here, the same model's prediction of
-    its step from the 1-process step of its variant (else of single) at this machine's measured all-reduce."""
-    interconnect = report.get("interconnect") or {}
+    its profiled step from its compute and this machine's measured all-reduce."""
     for row in report["rows"]:
         if not projectable(row):
             continue
-        compute = compute_seconds(row, interconnect)
+        compute = compute_seconds(row)
         published = []
         for gpus, _, link, bus_gbps in PUBLISHED_LINKS:
             serial, overlapped = step_seconds(compute, communication_seconds(row["collective_bytes"], gpus, bus_gbps))
@@ -131,28 +126,19 @@ def project(report):
 
 
 def predicted_here(row, report):
-    """The model's step for a row run here at 2 or more processes, beside the measured one: its compute
-    from its own --profile (the recorded steps less their exposed communication), else the 1-process
-    step of its variant (else of single) at the same global batch."""
+    """The model's step for a row profiled here at 2 or more processes, beside the measured one: its
+    compute (the recorded steps less their exposed communication) and its bytes at this machine's
+    all-reduce."""
     link = (report.get("interconnect") or {}).get(str(row["processes"]), {})
-    if row["processes"] < 2 or "busbw" not in link:
+    if row["processes"] < 2 or "busbw" not in link or not row.get("profile"):
         return None
-    if row.get("profile"):
-        profile = row["profile"]
-        measured, reference = profile["step_ms"] / 1000, "its own, --profile"
-        compute = measured - profile["phases_ms"]["exposed communication"] / 1000
-    else:
-        one = [other for other in report["rows"] if other["status"] == "ok" and other.get("steady_step_seconds")
-               and other["processes"] == 1 and other["variant"] in (row["variant"], "single")]
-        if not one:
-            return None
-        one.sort(key=lambda other: other["variant"] != row["variant"])
-        measured, reference, compute = row["steady_step_seconds"], one[0]["row"], one[0]["steady_step_seconds"]
+    measured = row["profile"]["step_ms"] / 1000
+    compute = measured - row["profile"]["phases_ms"]["exposed communication"] / 1000
     communication = communication_seconds(row["collective_bytes"], row["processes"], link["busbw"], link["latency_s"])
     serial, overlapped = step_seconds(compute, communication)
-    return {"reference": reference, "compute_s": compute, "communication_s": communication, "serial_s": serial,
-            "overlapped_s": overlapped, "measured_s": measured,
-            "error_serial": serial / measured - 1, "error_overlapped": overlapped / measured - 1}
+    return {"compute_s": compute, "communication_s": communication, "serial_s": serial, "overlapped_s": overlapped,
+            "measured_s": measured, "error_serial": serial / measured - 1,
+            "error_overlapped": overlapped / measured - 1}
 
 
 def projection_cells(row, label):
@@ -167,7 +153,7 @@ def projection_cells(row, label):
 
 def check_cells(row, label):
     here = row["projection"]["here"]
-    return [label(row), str(row["processes"]), f"{here['compute_s'] * 1000:.1f} ({here['reference']})",
+    return [label(row), str(row["processes"]), f"{here['compute_s'] * 1000:.1f}",
             f"{here['communication_s'] * 1000:.1f}", f"{here['serial_s'] * 1000:.1f}",
             f"{here['overlapped_s'] * 1000:.1f}", f"{here['measured_s'] * 1000:.1f}",
             f"{here['error_serial']:+.0%}", f"{here['error_overlapped']:+.0%}"]
@@ -183,20 +169,19 @@ def check_title(report):
     links = report.get("interconnect") or {}
     measured = ", ".join(f"{count} processes {link['busbw']:.2f} GB/s, {link['latency_s'] * 1000:.2f} ms a call"
                          for count, link in links.items() if "busbw" in link)
-    return f"The model against this machine (its all-reduce, microbenchmarks/allreduce.py: {measured or 'not measured'})"
+    return ("The model against this machine (its all-reduce, microbenchmarks/allreduce.py: "
+            f"{measured or 'not measured'})")
 
 
-PROJECTION_LEGEND = ("compute ms: the row's steady step less its exposed communication (--profile), else less the "
-                     "model's communication on this machine. Each GPU keeps the row's work (weak scaling) and sends "
+PROJECTION_LEGEND = ("compute ms: the row's steady step less its exposed communication (--profile), else the whole "
+                     "steady step. Each GPU keeps the row's work (weak scaling) and sends "
                      "its measured payloads; a ring moves 2(n-1)/n of an all-reduce's, (n-1)/n of a gather's or "
                      "a reduce-scatter's, at the link's bus bandwidth (no latency, no hierarchy). Serial: compute "
                      "then communication; overlapped: the longer of the two. Efficiency: compute / step. "
                      "docs/anatomy.md says how to read it.")
-CHECK_LEGEND = ("The same model for the rows run here, its communication from the calls' latency and the ring's bytes "
-                "at this machine's measured bus bandwidth; the compute from the row's --profile (its recorded steps "
-                "less their exposed communication; measured: their mean step), else the 1-process step of the same "
-                "global batch (the processes share the cores; measured: the median steady step). "
-                "error: predicted / measured - 1.")
+CHECK_LEGEND = ("The same model for the rows profiled here: their compute (the recorded steps less their exposed "
+                "communication) and their communication from the calls' latency and the ring's bytes at this "
+                "machine's measured bus bandwidth, against their mean recorded step. error: predicted / measured - 1.")
 
 
 def projection_markdown(report, markdown_table, label):
@@ -208,7 +193,8 @@ def projection_markdown(report, markdown_table, label):
     text += ["", PROJECTION_LEGEND, ""]
     checked = [row for row in rows if row["projection"]["here"]]
     if checked:
-        text += [check_title(report) + ":", "", *markdown_table(CHECK_COLUMNS, [check_cells(r, label) for r in checked])]
+        text += [check_title(report) + ":", "",
+                 *markdown_table(CHECK_COLUMNS, [check_cells(row, label) for row in checked])]
         text += ["", CHECK_LEGEND, ""]
     return text
 
@@ -227,10 +213,13 @@ def projection_terminal(report, terminal_table, label):
 
 
 def measure_interconnect(report, max_samples, output_dir):
-    """This machine's all-reduce at each process count the rows sent bytes at (microbenchmarks/allreduce.py,
-    on the rows' device): a small call's time as the latency, and the bus bandwidth of the largest.
-    {str(processes): {"latency_s", "busbw"} or {"error"}}; none on several nodes (Slurm's own launch)."""
-    counts = sorted({row["processes"] for row in report["rows"] if projectable(row) and row["processes"] > 1})
+    """This machine's all-reduce at each process count the profiled rows sent bytes at
+    (microbenchmarks/allreduce.py, on the rows' device): a small call's time as the latency, and the
+    bus bandwidth of the largest.
+    {str(processes): {"latency_s", "busbw"} or {"error"}}; none on several nodes (Slurm's own launch), and
+    none without --profile, whose compute the check needs (a launch saved)."""
+    counts = sorted({row["processes"] for row in report["rows"]
+                     if projectable(row) and row["processes"] > 1 and row.get("profile")})
     if report.get("nnodes") or not counts:
         return {}
     links = {}

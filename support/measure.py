@@ -373,14 +373,14 @@ class CollectiveBytes(Callback):
         remaining = trainer.total_steps() - first_step
         self.start_after = first_step + (remaining > 1)  # after the first step, unless it is the only one
         self.stop_after = min(self.start_after + self.WINDOW_STEPS, first_step + remaining)
-        self.first_step, self.profile, self.started = first_step, None, False
+        self.first_step, self.profile, self.started, self.from_profile = first_step, None, False, False
         if remaining < 1:
             self.record = None
 
     def on_train_begin(self, trainer):
         self.profile = next((c for c in trainer.callbacks if isinstance(c, StepProfile)), None)
         if isinstance(self.record, traffic.ProfilerRecord) and self.profile is not None:
-            self.record = None  # one profiler at a time: the step profile's records serve
+            self.record, self.from_profile = None, True  # one profiler at a time: the step profile's records serve
         if self.start_after == self.first_step:
             self.begin()
 
@@ -396,11 +396,11 @@ class CollectiveBytes(Callback):
             self.record.start()
 
     def on_result(self, trainer, result):
-        if self.record is not None and self.record.calls is not None:
+        if self.from_profile:
+            result["collective_bytes"] = self.profile.collective_bytes()
+        elif self.record is not None and self.record.calls is not None:
             result["collective_bytes"] = traffic.per_step(self.record.calls, self.stop_after - self.start_after,
                                                           self.world_size, self.record.source)
-        elif self.profile is not None and self.note is None:
-            result["collective_bytes"] = self.profile.collective_bytes()
         elif self.note is not None:
             result["collective_bytes"] = traffic.not_measured(self.world_size, self.note)
         sent = traffic.formula(trainer.strategy, self.model, trainer.args.grad_accum,

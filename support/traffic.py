@@ -23,7 +23,8 @@ C10D_OPERATORS = {
     "broadcast_": ("broadcast", 0, False), "reduce_": ("reduce", 0, False),
     "_allgather_base_": ("all-gather", 0, False), "allgather_into_tensor_coalesced_": ("all-gather", 0, False),
     "allgather_": ("all-gather", 1, True), "allgather_coalesced_": ("all-gather", 1, True),
-    "_reduce_scatter_base_": ("reduce-scatter", 1, False), "reduce_scatter_tensor_coalesced_": ("reduce-scatter", 1, False),
+    "_reduce_scatter_base_": ("reduce-scatter", 1, False),
+    "reduce_scatter_tensor_coalesced_": ("reduce-scatter", 1, False),
     "reduce_scatter_": ("reduce-scatter", 0, True),
 }
 # The profiler's names of C++ types, by bytes per element (a type not named here counts 4 bytes).

@@ -51,6 +51,30 @@ def test_each_row_sends_what_its_formula_allows(profiled_benchmark):
     assert rows["ddp"]["profile"]["ring_bytes_per_step"] == sent["ddp"]["ring_bytes"]
 
 
+def test_the_projection_is_a_model_of_each_rows_bytes_and_compute(profiled_benchmark):
+    """At 8 and 64 GPUs over the published links, and against this machine's all-reduce (measured by
+    the runner at 2 processes) for the steps profiled here."""
+    output, rows = profiled_benchmark
+    assert json.loads((output / "benchmark.json").read_text())["interconnect"]["2"]["busbw"] > 0
+    assert rows["single"].get("projection") is None
+    for name, row in rows.items():
+        if name == "single":
+            continue
+        projection = row["projection"]
+        assert [link["gpus"] for link in projection["published"]] == [8, 64, 64]
+        for link in projection["published"]:
+            assert link["overlapped_s"] <= link["serial_s"], name
+            assert 0 < link["efficiency_serial"] <= link["efficiency_overlapped"] <= 1, name
+        here = projection["here"]
+        assert here["measured_s"] == pytest.approx(row["profile"]["step_ms"] / 1000), name
+        assert here["serial_s"] == pytest.approx(here["compute_s"] + here["communication_s"]), name
+        assert here["communication_s"] > 0 and here["error_serial"] == pytest.approx(
+            here["serial_s"] / here["measured_s"] - 1), name
+    table = (output / "benchmark.md").read_text(encoding="utf-8")
+    assert "Projection (a model, not a measurement)" in table and "The model against this machine" in table
+    assert "Bytes sent per step:" in table
+
+
 def test_profile_splits_each_step_into_phases_and_communication(profiled_benchmark):
     output, rows = profiled_benchmark
     for name, row in rows.items():

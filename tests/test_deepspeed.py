@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_same_weights, assert_sends_what_its_formula_allows, free_port,
-                      read_result, require, run, run_in_process, untrained_dev_loss)
+from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_same_weights, assert_sends_what_its_formula_allows,
+                      free_port, read_result, require, run, run_in_process, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-deepspeed-cls.py"
 EQUIVALENCE = [*SMALL, *EXACT, "--precision", "fp32"]

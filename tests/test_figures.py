@@ -344,3 +344,56 @@ def test_the_chinese_section_gives_the_quick_starts_durations():
     english = re.findall(r"about (\d+) minutes on 2 cores", words(section(README, "## Quick start", "## Prerequisites")))
     chinese = re.findall(r"2 核上约 (\d+) 分钟", section(README, "## 中文说明"))
     assert len(english) == 3 and sorted(english) == sorted(chinese), (english, chinese)
+
+
+BYTES_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-base-shape-bytes" / "benchmark.json"
+TINY_BYTES_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-bytes" / "benchmark.json"
+SENT = ("all-reduce", "reduce-scatter", "all-gather", "broadcast")
+
+
+def measured_rows(path):
+    """{row: its benchmark.json row} of the run's rows that measured their bytes."""
+    rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
+    return {row["row"]: row for row in rows if row["status"] == "ok" and row["collective_bytes"]["payload_bytes"]}
+
+
+def test_the_bytes_table_is_the_committed_base_shape_run():
+    """docs/anatomy.md's bytes per step at BERT-base's shape: every row of the run, its payload and calls by
+    kind, the ring's bytes and the formula's, in MB of 2^20 bytes."""
+    rows = measured_rows(BYTES_RUN)
+    quoted = table(ANATOMY, "| row | precision | all-reduce | reduce-scatter | all-gather | broadcast | ring MB | "
+                            "formula's ring MB |")
+    assert set(quoted) == set(rows)
+    for name, row in rows.items():
+        kinds = row["collective_bytes"]["kinds"]
+        expected = [row["precision"], *(f"{kinds[kind]['bytes'] / MB:.2f} ({kinds[kind]['calls']:g})"
+                                        if kind in kinds else "-" for kind in SENT),
+                    f"{row['collective_bytes']['ring_bytes'] / MB:.2f}",
+                    f"{row['collective_formula_bytes']['ring_bytes'] / MB:.2f}"]
+        assert quoted[name] == expected, f"docs/anatomy.md's bytes of {name}: {quoted[name]}, the run's {expected}"
+
+
+def projected(link):
+    return (f"{link['serial_s'] * 1000:.0f} / {link['overlapped_s'] * 1000:.0f} "
+            f"({link['efficiency_serial']:.0%} / {link['efficiency_overlapped']:.0%})")
+
+
+def test_the_projection_tables_are_the_committed_runs():
+    """The projection of the base-shape rows to 8 and 64 GPUs, and the model against the steps measured here
+    at 2 processes (base shape) and 2 and 3 (tiny)."""
+    rows = measured_rows(BYTES_RUN)
+    quoted = table(ANATOMY, "| row | compute ms | 8 GPUs, NVLink | 64 GPUs, InfiniBand | 64 GPUs, Ethernet |")
+    assert set(quoted) == set(rows)
+    for name, row in rows.items():
+        projection = row["projection"]
+        expected = [f"{projection['compute_s'] * 1000:.0f}", *(projected(link) for link in projection["published"])]
+        assert quoted[name] == expected, f"docs/anatomy.md's projection of {name}: {quoted[name]}, the run's {expected}"
+    checked = {**rows, **measured_rows(TINY_BYTES_RUN)}
+    quoted = table(ANATOMY, "| row | model | processes | predicted step ms, serial / overlapped | measured ms | "
+                            "error, serial / overlapped |")
+    assert set(quoted) == set(checked)
+    for name, row in checked.items():
+        here = row["projection"]["here"]
+        expected = [row["model"], str(row["processes"]), f"{here['serial_s'] * 1000:.0f} / {here['overlapped_s'] * 1000:.0f}",
+                    f"{here['measured_s'] * 1000:.0f}", f"{here['error_serial']:+.0%} / {here['error_overlapped']:+.0%}"]
+        assert quoted[name] == expected, f"docs/anatomy.md's check of {name}: {quoted[name]}, the run's {expected}"
