@@ -394,6 +394,27 @@ def test_the_projection_tables_are_the_committed_runs():
     assert set(quoted) == set(checked)
     for name, row in checked.items():
         here = row["projection"]["here"]
-        expected = [row["model"], str(row["processes"]), f"{here['serial_s'] * 1000:.0f} / {here['overlapped_s'] * 1000:.0f}",
-                    f"{here['measured_s'] * 1000:.0f}", f"{here['error_serial']:+.0%} / {here['error_overlapped']:+.0%}"]
+        expected = [row["model"], str(row["processes"]),
+                    f"{here['serial_s'] * 1000:.0f} / {here['overlapped_s'] * 1000:.0f}", f"{here['measured_s'] * 1000:.0f}",
+                    f"{here['error_serial']:+.0%} / {here['error_overlapped']:+.0%}"]
         assert quoted[name] == expected, f"docs/anatomy.md's check of {name}: {quoted[name]}, the run's {expected}"
+
+
+def test_the_bytes_notes_are_the_committed_runs():
+    rows, tiny = measured_rows(BYTES_RUN), measured_rows(TINY_BYTES_RUN)
+    text = words(section(ANATOMY, "## What each strategy sends"))
+    parameters = rows["ddp"]["collective_formula_bytes"]["kinds"]["all-reduce"] // 4
+    assert f"P = {parameters:,}, {4 * parameters / MB:.2f} MB in fp32" in text
+    assert f"Horovod's {rows['horovod']['collective_bytes']['kinds']['all-reduce']['calls']:g} calls a step" in text
+    ring = {name: row["collective_bytes"]["ring_bytes"] for name, row in rows.items()}
+    assert ring["deepspeed-zero1"] == ring["deepspeed-zero2"]
+    assert f"{ring['deepspeed-zero1'] / ring['ddp']:.1f} times DDP's" in text
+    ethernet = {name: row["projection"]["published"][2]["efficiency_serial"] for name, row in rows.items()}
+    fsdp = 1 - min(efficiency for name, efficiency in ethernet.items() if name.startswith("fsdp"))
+    assert f"costs FSDP2 up to {fsdp:.0%} of its step and DDP {1 - ethernet['ddp']:.0%}" in text
+    errors = [row["projection"]["here"]["error_serial"] for row in [*rows.values(), *tiny.values()]]
+    within = sum(abs(error) <= 0.25 for error in errors)
+    assert f"within 25% of the measured step for {within} of these {len(errors)} rows" in text
+    latency = json.loads(TINY_BYTES_RUN.read_text(encoding="utf-8"))["interconnect"]["3"]["latency_s"]
+    assert (f"(+{tiny['horovod-n3']['projection']['here']['error_serial']:.0%} at 3 processes, where a call takes "
+            f"{latency * 1000:.0f} ms)") in text
