@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support import traffic
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SENT_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "broadcast")
@@ -77,9 +79,7 @@ CHECK_COLUMNS = ["row", "processes", "compute ms", "communication ms (model)", "
 
 def ring_bytes(measured, processes):
     """What a ring moves in and out of each of `processes` for the payloads measured per step."""
-    factors = {"all-reduce": 2 * (processes - 1) / processes, "reduce-scatter": (processes - 1) / processes,
-               "all-gather": (processes - 1) / processes}
-    return sum(totals["bytes"] * factors.get(kind, 1) for kind, totals in measured["kinds"].items())
+    return sum(traffic.ring_bytes(kind, totals["bytes"], processes) for kind, totals in measured["kinds"].items())
 
 
 def communication_seconds(measured, processes, bus_gbps, latency_seconds=0.0):

@@ -39,9 +39,9 @@ def collective_calls(events, world_size):
     types = element_types(events)
     calls = []
     for event in events:
-        operator = C10D_OPERATORS.get(event.name.removeprefix("c10d::")) if event.name.startswith("c10d::") else None
         if not event.name.startswith("c10d::") or inside_c10d(event):
             continue
+        operator = C10D_OPERATORS.get(event.name.removeprefix("c10d::"))
         if operator is None:  # a barrier, a point-to-point send: no payload of a kind here
             calls.append(("other", 0))
             continue
@@ -49,7 +49,7 @@ def collective_calls(events, world_size):
         shapes = event.structured_input_shapes[argument]
         tensors = shapes if shapes and isinstance(shapes[0], list) else [shapes]
         type_name = event.input_dtypes[argument]
-        if type_name == "TensorList":  # its type is in the backend's record of the call
+        if type_name == "TensorList":  # its type is in the backend's record of the call (else fp32's assumed)
             type_name = types[shape_key(tensors[0])].popleft() if types[shape_key(tensors[0])] else "float"
         size = sum(numel(shape) for shape in tensors) * ELEMENT_BYTES.get(type_name, 4)
         calls.append((kind, size * (world_size if per_process else 1)))
