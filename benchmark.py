@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 from bench import report as benchmark_report
+from bench import traffic as bench_traffic
 from bench.estimate import announce_real_size, check_batches_fit, expected_duration, few_steps_warning
 from bench.options import list_rows, parse_args, plan
 from bench.provenance import choose_model, describe_machine, git_state, gpu_count, library_versions
@@ -120,6 +121,10 @@ def main():
     print("measuring the matrix-product peak of each precision the rows computed in (microbenchmarks/matmul_peak.py)",
           flush=True)
     report["matmul_peaks"] = measure_matmul_peaks(report["rows"])
+    print("measuring this machine's all-reduce for the projection of the bytes sent (microbenchmarks/allreduce.py)",
+          flush=True)
+    report["interconnect"] = bench_traffic.measure_interconnect(report, args.max_samples, args.output_dir)
+    bench_traffic.project(report)
     report["all_succeeded"] = all(row["status"] == "ok" for row in report["rows"])
     write_report(report, args.output_dir, final=True)
     print("\n" + benchmark_report.terminal_report(report))

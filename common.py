@@ -334,7 +334,7 @@ class Run:
 
     def start_measurements(self, first_step, optimizer, wrapped=None, bar=True):
         """The measurements of every script, as callbacks (the Hugging Face Trainer's events call them
-        too): the counts and progress bar, the model state, the throughput, the curves (TensorBoard's),
+        too): the counts and progress bar, the model state, the throughput, the curves (TensorBoard's), the bytes sent,
         and any that SUITE_CALLBACKS names. `wrapped`: the model as its library wrapped it, where this Run holds it
         bare (the Hugging Face script's); the model state and SUITE_CALLBACKS' callbacks see that one."""
         hooked = self
@@ -344,7 +344,7 @@ class Run:
         self.progress, throughput = measure.Progress(self, first_step, bar=bar), measure.Throughput(self)
         self.callbacks = [self.progress, measure.ModelStateCount(self.strategy, hooked.model, optimizer),
                           throughput, curves.Curves(self, optimizer, throughput, first_step),
-                          *measure.extra_callbacks(hooked)]
+                          measure.CollectiveBytes(self, first_step, hooked.model), *measure.extra_callbacks(hooked)]
 
     def notify(self, point, *args):
         """Call each callback's method for this point of the loop (measure.Callback names them)."""

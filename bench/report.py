@@ -9,6 +9,8 @@ from pathlib import Path
 
 from support import files
 
+from . import traffic
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "docs" / "results"
 
@@ -24,7 +26,7 @@ SCALING_COLUMNS = ["row", "processes", "samples/s, whole loop", "speed-up vs 1 p
 MEMORY_COLUMNS = ["row", "processes", "weights MB", "gradients MB", "optimizer state MB", "model state MB",
                   "ZeRO formula MB", "peak MB", "beyond model state MB"]
 PHASE_COLUMNS = ["row", "mean step ms", "data loading", "forward", "backward", "optimizer step", "exposed comm.",
-                 "overlapped comm.", "collectives: ms per step (exposed), phase"]
+                 "overlapped comm.", "collectives: ms per step (exposed), phase", "sent per step MB (ring)"]
 THROUGHPUT_COLUMNS = ["row", "computes in", "step shapes", "first step s", "median steady step ms",
                       "mean samples/s over steady steps", "mean tokens/s, whole loop",
                       "mean model TFLOP/s over steady steps", "MFU real (computed), published peak",
@@ -133,7 +135,8 @@ def phase_cells(row):
     collectives = ", ".join(f"{name} {c['ms']:.1f} ({c['exposed_ms']:.1f}), {c['during']}"
                             for name, c in profile["collectives"].items())
     return [row_label(row), f"{profile['step_ms']:.1f}"] + [f"{ms:.1f}" for ms in profile["phases_ms"].values()] + [
-        f"{profile['overlapped_communication_ms']:.1f}", collectives or "none"]
+        f"{profile['overlapped_communication_ms']:.1f}", collectives or "none",
+        f"{profile['ring_bytes_per_step'] / 2**20:.2f}" if profile.get("ring_bytes_per_step") is not None else "n/a"]
 
 
 def throughput_cells(row):
@@ -282,6 +285,8 @@ def markdown_body(report):
     if phase_rows(report):
         text += ["Step anatomy:", ""] + markdown_table(PHASE_COLUMNS, [phase_cells(r) for r in phase_rows(report)])
         text += ["", PHASE_LEGEND, ""]
+    text += traffic.bytes_markdown(report, markdown_table, row_label)
+    text += traffic.projection_markdown(report, markdown_table, row_label)
     text += ["Details:", ""] + markdown_table(spread_columns(DETAIL_COLUMNS, repeat),
                                               [detail_cells(row, repeat) for row in rows])
     text += ["", DETAIL_LEGEND, "", "Commands:", ""]
@@ -316,6 +321,8 @@ def terminal_report(report):
     if phase_rows(report):
         text += ["", "step anatomy (ms per step):"]
         text += terminal_table(PHASE_COLUMNS, [phase_cells(row) for row in phase_rows(report)])
+    text += traffic.bytes_terminal(report, terminal_table, row_label)
+    text += traffic.projection_terminal(report, terminal_table, row_label)
     text += ["", "details:"] + terminal_table(spread_columns(DETAIL_COLUMNS, repeat),
                                               [detail_cells(row, repeat) for row in rows])
     return "\n".join(text + ["", "commands:"] + [f"  {row['row']}: {row['command']}" for row in rows

@@ -278,6 +278,8 @@ def summarize(cell):
         "model_state_bytes": chosen.get("model_state_bytes"),
         "model_state_formula_bytes": chosen.get("model_state_formula_bytes"),
         "profile": chosen.get("profile"),
+        "collective_bytes": chosen.get("collective_bytes"),
+        "collective_formula_bytes": chosen.get("collective_formula_bytes"),
         "train_loss_curve": chosen.get("train_loss_curve"),
         "machine_share": chosen.get("machine_share"),
         **{key: chosen.get(key) for key in THROUGHPUT_FIELDS},

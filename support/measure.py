@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, record_function
 from tqdm import tqdm
 
-from . import flops, results
+from . import flops, results, traffic
 from .callbacks import Callback
 from .errors import UserError
 from .machine import reset_peak_memory, synchronize
@@ -365,6 +365,57 @@ def is_dtensor(tensor):
     return module is not None and isinstance(tensor, module.DTensor)
 
 
+class CollectiveBytes(Callback):
+    """The bytes this process's collectives carried per optimizer step, by kind (traffic.py), recorded
+    over the steps after the first (which may pay one-time exchanges), up to WINDOW_STEPS of them.
+    What ran, not what the model implies: torch.profiler's records of torch.distributed's operators,
+    Horovod's own calls where its thread hides them; with --profile, the step profile's records."""
+
+    WINDOW_STEPS = 3
+
+    def __init__(self, trainer, first_step, model):
+        self.world_size, self.model = trainer.strategy.world_size, model
+        self.record, self.note = traffic.record_for(trainer.strategy)
+        remaining = trainer.total_steps() - first_step
+        self.start_after = first_step + (remaining > 1)  # after the first step, unless it is the only one
+        self.stop_after = min(self.start_after + self.WINDOW_STEPS, first_step + remaining)
+        self.first_step, self.profile, self.started, self.from_profile = first_step, None, False, False
+        if remaining < 1:
+            self.record = None
+
+    def on_train_begin(self, trainer):
+        self.profile = next((c for c in trainer.callbacks if isinstance(c, StepProfile)), None)
+        if isinstance(self.record, traffic.ProfilerRecord) and self.profile is not None:
+            self.record, self.from_profile = None, True  # one profiler at a time: the step profile's records serve
+        if self.start_after == self.first_step:
+            self.begin()
+
+    def on_step_end(self, trainer, step):
+        if step == self.start_after and not self.started:
+            self.begin()
+        elif step == self.stop_after and self.started:
+            self.record.stop()
+
+    def begin(self):
+        if self.record is not None:
+            self.started = True
+            self.record.start()
+
+    def on_result(self, trainer, result):
+        if self.from_profile:
+            result["collective_bytes"] = self.profile.collective_bytes()
+        elif self.record is not None and self.record.calls is not None:
+            result["collective_bytes"] = traffic.per_step(self.record.calls, self.stop_after - self.start_after,
+                                                          self.world_size, self.record.source)
+        elif self.note is not None:
+            result["collective_bytes"] = traffic.not_measured(self.world_size, self.note)
+        sent = traffic.formula(trainer.strategy, self.model, trainer.args.grad_accum,
+                               sharded=any(is_dtensor(p) for p in self.model.parameters()))
+        if "collective_bytes" in result and sent is not None:
+            result["collective_formula_bytes"] = {"kinds": sent, "payload_bytes": sum(sent.values()),
+                                                  "ring_bytes": traffic.ring_total(sent, self.world_size)}
+
+
 # A Python file whose callbacks(trainer) returns more callbacks for the run: a measurement or a fault
 # added to any script without editing it. Unset in a plain run.
 EXTRA_CALLBACKS_ENV = "SUITE_CALLBACKS"
@@ -407,8 +458,10 @@ class StepProfile(Callback):
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         schedule = torch.profiler.schedule(wait=max(0, warmup - 1), warmup=min(1, warmup), active=self.steps,
                                             repeat=1)
-        self.profiler = torch.profiler.profile(activities=activities, schedule=schedule)
+        # With the shapes: the collectives' records then tell their bytes (CollectiveBytes).
+        self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True)
         self.phase = None  # the open range
+        self.world_size = trainer.strategy.world_size
 
     def begin(self, name):
         self.end()
@@ -446,7 +499,17 @@ class StepProfile(Callback):
         """Write the trace; return milliseconds per recorded step by phase (they add up to the
         step), and the communication."""
         self.profiler.export_chrome_trace(str(self.output_dir / "trace.json"))
-        return step_anatomy(list(self.profiler.events()), on_gpu=self.device.type == "cuda")
+        anatomy = step_anatomy(list(self.profiler.events()), on_gpu=self.device.type == "cuda")
+        moved = self.collective_bytes()
+        return {**anatomy, "bytes_per_step": {kind: moved["kinds"].get(kind, {}).get("bytes", 0) for kind in
+                                              moved["kinds"]}, "ring_bytes_per_step": moved["ring_bytes"]}
+
+    def collective_bytes(self):
+        """traffic.per_step of the recorded steps' collectives (those torch.distributed ran)."""
+        events = list(self.profiler.events())
+        steps = sum(e.name.startswith("ProfilerStep") for e in events if e.device_type == torch.autograd.DeviceType.CPU)
+        return traffic.per_step(traffic.collective_calls(events, self.world_size), max(steps, 1), self.world_size,
+                                "torch.profiler's records of torch.distributed's operators (--profile's steps)")
 
 
 def step_anatomy(events, on_gpu):

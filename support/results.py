@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from . import launch
+from . import launch, traffic
 from .files import write_json
 from .machine import device_description, peak_memory_mb
 from .models import parameter_count
@@ -150,6 +150,8 @@ def report(trainer, result, metrics):
                                                         for name in ("parameters", "gradients", "optimizer_state"))
               + f"; the ZeRO formula for stage {formula['zero_stage']} over {formula['processes']} process(es): "
               + f"{formula['total'] / 2**20:.2f} MB in all (measured {held['total'] / 2**20:.2f} MB)")
+    if result.get("collective_bytes"):
+        print(traffic.summary_line(result))
     if "peak_memory_beyond_model_state_mb" in result:
         offloaded = result["model_state_bytes_by_device"].get("cpu", 0)
         bucket = result.get("reduce_bucket_bytes")

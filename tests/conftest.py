@@ -157,6 +157,25 @@ def assert_same_weights(a_dir, b_dir, atol=1e-4):
     assert worst < atol, f"largest weight difference {worst:g} exceeds {atol:g}"
 
 
+# What a kind of collective beyond a strategy's formula may carry per step: a few scalars (DeepSpeed's
+# overflow flag, the loss a logging step averages) and DDP's broadcast of its bucket order on the first
+# synchronised step.
+STRAY_BYTES = 1024
+
+
+def assert_sends_what_its_formula_allows(result):
+    """Each kind of collective the run sent per step (result.json's collective_bytes, support/traffic.py)
+    carries at most what its strategy's formula allows (up to 1% of shard padding and STRAY_BYTES), and
+    every kind the formula names ran, in full."""
+    measured, allowed = result["collective_bytes"]["kinds"], result["collective_formula_bytes"]["kinds"]
+    for kind, totals in measured.items():
+        limit = allowed.get(kind, 0) * 1.01 + STRAY_BYTES
+        assert totals["bytes"] <= limit, f"{kind}: {totals['bytes']:,} bytes per step, the formula allows {limit:,.0f}"
+    for kind, size in allowed.items():
+        assert kind in measured and measured[kind]["bytes"] >= size, f"{kind}: {measured.get(kind)}, {size:,}"
+    return result["collective_bytes"]
+
+
 def small_split():
     """The SMALL run's (train, dev) records."""
     import common

@@ -1,8 +1,10 @@
 """The tests' hooks inside a training process, plugged in as the file SUITE_CALLBACKS names (conftest
 sets it for every run a test starts) and switched on by their own variables: a failure injected at a
 given step, to check that a failing rank ends the whole job and that --resume continues where a crash
-left off; steps slowed down after a given one, so that a signal sent then lands during training; and
-DDP's gradient all-reduces counted, to check that gradient accumulation all-reduces once per step."""
+left off; steps slowed down after a given one, so that a signal sent then lands during training;
+DDP's gradient all-reduces counted, to check that gradient accumulation all-reduces once per step; and
+bytes wasted on purpose, to check that the byte checks catch a strategy sending more than it should."""
+import contextlib
 import os
 import time
 
@@ -11,6 +13,7 @@ from support import measure
 FAIL_AT_ENV = "SUITE_FAIL_AT"  # "RANK:STEP": that rank fails right after that optimizer step
 SLOW_AFTER_ENV = "SUITE_SLOW_AFTER"  # "STEP": rank 0 says "slow from here", then every step takes a second more
 COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"  # count DDP's gradient all-reduces (result.json: gradient_allreduces)
+WASTE_ENV = "SUITE_WASTE"  # "broadcast": a stray broadcast each step; "sync": accumulation that syncs every micro-batch
 
 
 def callbacks(trainer):
@@ -18,6 +21,10 @@ def callbacks(trainer):
     asked = [InjectedFailure()] if os.environ.get(FAIL_AT_ENV) else []
     asked += [SlowSteps(int(os.environ[SLOW_AFTER_ENV]))] if os.environ.get(SLOW_AFTER_ENV) else []
     allreduces = gradient_allreduce_count(trainer.model) if os.environ.get(COUNT_ALLREDUCES_ENV) else None
+    waste = os.environ.get(WASTE_ENV, "").split(",")
+    if "sync" in waste:  # no no_sync(): the gradients are exchanged after every micro-batch, not once per step
+        trainer.strategy.accumulating = lambda model, last: contextlib.nullcontext()
+    asked += [StrayBroadcast()] if "broadcast" in waste else []
     return asked + ([allreduces] if allreduces else [])
 
 
@@ -48,6 +55,16 @@ class SlowSteps(measure.Callback):
             print(f"slow from step {step}", flush=True)
         if step >= self.after:
             time.sleep(1)
+
+
+class StrayBroadcast(measure.Callback):
+    """Rank 0's first weight broadcast to every process after each step, as a loop that re-syncs its
+    weights would: a copy, so that training is unchanged and only the bytes sent grow."""
+
+    def on_step_end(self, trainer, step):
+        import torch.distributed as dist
+        weight = next(trainer.model.parameters()).detach()
+        dist.broadcast(measure.local(weight).clone(), src=0)
 
 
 class GradientAllReduceCount(measure.Callback):

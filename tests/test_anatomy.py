@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import read_result
+from conftest import assert_sends_what_its_formula_allows, read_result
 from support import measure
 
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
@@ -32,6 +32,47 @@ def test_each_process_holds_what_the_zero_formula_predicts(profiled_benchmark):
     assert held["fsdp"]["parameters"] == pytest.approx(held["zero3-sharded-all"]["parameters"], rel=0.01)
     assert held["fsdp"]["optimizer_state"] < held["zero3-sharded-all"]["optimizer_state"]
     assert rows["fsdp"]["model_state_formula_bytes"]["zero_stage"] == 3
+
+
+def test_each_row_sends_what_its_formula_allows(profiled_benchmark):
+    """2 processes x 2 micro-batches, read from --profile's records: DDP one all-reduce of the gradients
+    per step; ZeRO-1 that and a gather of the updated weights; ZeRO-2 an all-reduce per micro-batch;
+    ZeRO-3 a reduce-scatter per micro-batch and gathers; FSDP2 keeping its weights from forward to
+    backward one gather per micro-batch and one reduce-scatter per step."""
+    output, rows = profiled_benchmark
+    assert rows["single"]["collective_bytes"] is None
+    sent = {name: assert_sends_what_its_formula_allows(row) for name, row in rows.items() if name != "single"}
+    fp32_gradients = 4 * read_result(output / "ddp")["parameters"]
+    assert sent["ddp"]["kinds"]["all-reduce"]["bytes"] == fp32_gradients
+    assert sent["deepspeed-zero2"]["kinds"]["all-reduce"]["bytes"] == pytest.approx(2 * fp32_gradients, abs=1024)
+    assert sent["fsdp"]["kinds"]["all-gather"]["bytes"] == pytest.approx(2 * fp32_gradients, rel=0.01)
+    assert sent["fsdp"]["kinds"]["reduce-scatter"]["bytes"] == pytest.approx(fp32_gradients, rel=0.01)
+    # The anatomy shows the same bytes, a ring's worth per process.
+    assert rows["ddp"]["profile"]["ring_bytes_per_step"] == sent["ddp"]["ring_bytes"]
+
+
+def test_the_projection_is_a_model_of_each_rows_bytes_and_compute(profiled_benchmark):
+    """At 8 and 64 GPUs over the published links, and against this machine's all-reduce (measured by
+    the runner at 2 processes) for the steps profiled here."""
+    output, rows = profiled_benchmark
+    assert json.loads((output / "benchmark.json").read_text())["interconnect"]["2"]["busbw"] > 0
+    assert rows["single"].get("projection") is None
+    for name, row in rows.items():
+        if name == "single":
+            continue
+        projection = row["projection"]
+        assert [link["gpus"] for link in projection["published"]] == [8, 64, 64]
+        for link in projection["published"]:
+            assert link["overlapped_s"] <= link["serial_s"], name
+            assert 0 < link["efficiency_serial"] <= link["efficiency_overlapped"] <= 1, name
+        here = projection["here"]
+        assert here["measured_s"] == pytest.approx(row["profile"]["step_ms"] / 1000), name
+        assert here["serial_s"] == pytest.approx(here["compute_s"] + here["communication_s"]), name
+        assert here["communication_s"] > 0 and here["error_serial"] == pytest.approx(
+            here["serial_s"] / here["measured_s"] - 1), name
+    table = (output / "benchmark.md").read_text(encoding="utf-8")
+    assert "Projection (a model, not a measurement)" in table and "The model against this machine" in table
+    assert "Bytes sent per step:" in table
 
 
 def test_profile_splits_each_step_into_phases_and_communication(profiled_benchmark):

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_same_weights, free_port, read_result, require, run,
-                      run_in_process, untrained_dev_loss)
+from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_same_weights, assert_sends_what_its_formula_allows,
+                      free_port, read_result, require, run, run_in_process, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-deepspeed-cls.py"
 EQUIVALENCE = [*SMALL, *EXACT, "--precision", "fp32"]
@@ -58,8 +58,11 @@ def test_zero0_ends_with_the_single_device_weights(tmp_path, single_reference):
     weights single-gpu-cls.py ends with, the short last batch included."""
     process = launch(*EQUIVALENCE, "--zero-stage", "0", "--batch-size", "16", output=tmp_path)
     assert "global batch: 32 |" in process.stdout
-    check_result(tmp_path, 0, precision="fp32", global_batch_size=32, optimizer_steps=11, offload="none")
+    result = check_result(tmp_path, 0, precision="fp32", global_batch_size=32, optimizer_steps=11, offload="none")
     assert_same_weights(single_reference / "model", tmp_path / "model")
+    # ZeRO-0 is data parallelism: one all-reduce of the fp32 gradients per step, nothing else.
+    assert assert_sends_what_its_formula_allows(result)["kinds"]["all-reduce"]["bytes"] == pytest.approx(
+        4 * result["parameters"], abs=1024)
 
 
 def test_zero1_with_optimizer_offload_learns_in_fp32_by_default(tmp_path):

@@ -7,8 +7,8 @@ test_hf_trainer.py's."""
 import pytest
 
 from support import machine
-from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, free_port, read_curves, read_result,
-                      require, run)
+from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, assert_sends_what_its_formula_allows,
+                      free_port, read_curves, read_result, require, run)
 
 THREE = [*SMALL, *EXACT, "--batch-size", "11"]
 
@@ -61,6 +61,11 @@ def test_three_processes_end_with_the_single_device_weights(tmp_path, single_33,
     assert [p.name for p in sorted((tmp_path / "model").iterdir())] == [
         p.name for p in sorted((single_33 / "model").iterdir())]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "result.json", "tensorboard"]
+    # What each process sent per step at 3: within its formula (a ring's share, 2/3 of an all-reduce's
+    # payload, is the formula's too).
+    sent = assert_sends_what_its_formula_allows(result)
+    assert sent["processes"] == 3
+    assert sent["ring_bytes"] <= result["collective_formula_bytes"]["ring_bytes"] * 1.01 + 4096
 
 
 def test_the_cpu_quota_of_a_container_caps_the_cores(tmp_path):

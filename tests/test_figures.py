@@ -344,3 +344,77 @@ def test_the_chinese_section_gives_the_quick_starts_durations():
     english = re.findall(r"about (\d+) minutes on 2 cores", words(section(README, "## Quick start", "## Prerequisites")))
     chinese = re.findall(r"2 核上约 (\d+) 分钟", section(README, "## 中文说明"))
     assert len(english) == 3 and sorted(english) == sorted(chinese), (english, chinese)
+
+
+BYTES_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-base-shape-bytes" / "benchmark.json"
+TINY_BYTES_RUN = ROOT / "docs" / "results" / "amd-epyc-2-cores-bytes" / "benchmark.json"
+SENT = ("all-reduce", "reduce-scatter", "all-gather", "broadcast")
+
+
+def measured_rows(path):
+    """{row: its benchmark.json row} of the run's rows that measured their bytes."""
+    rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
+    return {row["row"]: row for row in rows if row["status"] == "ok" and row["collective_bytes"]["payload_bytes"]}
+
+
+def test_the_bytes_table_is_the_committed_base_shape_run():
+    """docs/anatomy.md's bytes per step at BERT-base's shape: every row of the run, its payload and calls by
+    kind, the ring's bytes and the formula's, in MB of 2^20 bytes."""
+    rows = measured_rows(BYTES_RUN)
+    quoted = table(ANATOMY, "| row | precision | all-reduce | reduce-scatter | all-gather | broadcast | ring MB | "
+                            "formula's ring MB |")
+    assert set(quoted) == set(rows)
+    for name, row in rows.items():
+        kinds = row["collective_bytes"]["kinds"]
+        expected = [row["precision"], *(f"{kinds[kind]['bytes'] / MB:.2f} ({kinds[kind]['calls']:g})"
+                                        if kind in kinds else "-" for kind in SENT),
+                    f"{row['collective_bytes']['ring_bytes'] / MB:.2f}",
+                    f"{row['collective_formula_bytes']['ring_bytes'] / MB:.2f}"]
+        assert quoted[name] == expected, f"docs/anatomy.md's bytes of {name}: {quoted[name]}, the run's {expected}"
+
+
+def projected(link):
+    return (f"{link['serial_s'] * 1000:.0f} / {link['overlapped_s'] * 1000:.0f} "
+            f"({link['efficiency_serial']:.0%} / {link['efficiency_overlapped']:.0%})")
+
+
+def test_the_projection_tables_are_the_committed_runs():
+    """The projection of the base-shape rows to 8 and 64 GPUs, and the model against the steps measured here
+    at 2 processes (base shape) and 2 and 3 (tiny)."""
+    rows = measured_rows(BYTES_RUN)
+    quoted = table(ANATOMY, "| row | compute ms | 8 GPUs, NVLink | 64 GPUs, InfiniBand | 64 GPUs, Ethernet |")
+    assert set(quoted) == set(rows)
+    for name, row in rows.items():
+        projection = row["projection"]
+        expected = [f"{projection['compute_s'] * 1000:.0f}", *(projected(link) for link in projection["published"])]
+        assert quoted[name] == expected, f"docs/anatomy.md's projection of {name}: {quoted[name]}, the run's {expected}"
+    checked = {**rows, **measured_rows(TINY_BYTES_RUN)}
+    quoted = table(ANATOMY, "| row | model | processes | predicted step ms, serial / overlapped | measured ms | "
+                            "error, serial / overlapped |")
+    assert set(quoted) == set(checked)
+    for name, row in checked.items():
+        here = row["projection"]["here"]
+        predicted = f"{here['serial_s'] * 1000:.0f} / {here['overlapped_s'] * 1000:.0f}"
+        expected = [row["model"], str(row["processes"]), predicted, f"{here['measured_s'] * 1000:.0f}",
+                    f"{here['error_serial']:+.0%} / {here['error_overlapped']:+.0%}"]
+        assert quoted[name] == expected, f"docs/anatomy.md's check of {name}: {quoted[name]}, the run's {expected}"
+
+
+def test_the_bytes_notes_are_the_committed_runs():
+    rows, tiny = measured_rows(BYTES_RUN), measured_rows(TINY_BYTES_RUN)
+    text = words(section(ANATOMY, "## What each strategy sends"))
+    parameters = rows["ddp"]["collective_formula_bytes"]["kinds"]["all-reduce"] // 4
+    assert f"P = {parameters:,}, {4 * parameters / MB:.2f} MB in fp32" in text
+    assert f"Horovod's {rows['horovod']['collective_bytes']['kinds']['all-reduce']['calls']:g} calls a step" in text
+    ring = {name: row["collective_bytes"]["ring_bytes"] for name, row in rows.items()}
+    assert ring["deepspeed-zero1"] == ring["deepspeed-zero2"]
+    assert f"{ring['deepspeed-zero1'] / ring['ddp']:.1f} times DDP's" in text
+    ethernet = {name: row["projection"]["published"][2]["efficiency_serial"] for name, row in rows.items()}
+    fsdp = 1 - min(efficiency for name, efficiency in ethernet.items() if name.startswith("fsdp"))
+    assert f"costs FSDP2 up to {fsdp:.0%} of its step and DDP {1 - ethernet['ddp']:.0%}" in text
+    errors = [row["projection"]["here"]["error_serial"] for row in [*rows.values(), *tiny.values()]]
+    within = sum(abs(error) <= 0.25 for error in errors)
+    assert f"within 25% of the measured step for {within} of these {len(errors)} rows" in text
+    latency = json.loads(TINY_BYTES_RUN.read_text(encoding="utf-8"))["interconnect"]["3"]["latency_s"]
+    assert (f"(+{tiny['horovod-n3']['projection']['here']['error_serial']:.0%} at 3 processes, where a call takes "
+            f"{latency * 1000:.0f} ms)") in text

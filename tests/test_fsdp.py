@@ -1,8 +1,10 @@
 """multi-gpu-fsdp-cls.py: FSDP2 on 2 CPU processes over gloo. The 3-process equivalence, resume and
 failing-rank checks are in test_equivalence.py, test_resume.py and test_reliability.py."""
+import pytest
 import transformers
 
-from conftest import (BIN, DEV_SAMPLES, SMALL, assert_same_weights, free_port, load_weights,
+from conftest import (BIN, DEV_SAMPLES, SMALL, assert_same_weights, assert_sends_what_its_formula_allows, free_port,
+                      load_weights,
                       predict_dev_accuracy, read_result, run, run_in_process, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-fsdp-cls.py"
@@ -26,6 +28,11 @@ def test_bf16_with_checkpoints_learns_and_saves_a_portable_model(tmp_path):
     held = result["model_state_bytes"]
     assert whole / 2 <= held["parameters"] < whole / 2 * 1.01 and held["gradients"] == held["parameters"]
     assert 0 <= held["optimizer_state"] - 2 * held["parameters"] < 1024  # and Adam's step counts
+    # Each step gathers the weights in bf16 for forward and again for backward (2 x 2 bytes a weight),
+    # and reduce-scatters the fp32 gradients once.
+    sent = assert_sends_what_its_formula_allows(result)["kinds"]
+    assert sent["all-gather"]["bytes"] == pytest.approx(2 * 2 * result["parameters"], rel=0.01)
+    assert sent["reduce-scatter"]["bytes"] == pytest.approx(4 * result["parameters"], rel=0.01)
     # The gathered full state dict is an ordinary model folder: predict.py scores the reported
     # accuracy, transformers' own pipeline loads it.
     assert abs(predict_dev_accuracy(tmp_path) - result["dev_accuracy"]) < 1e-9

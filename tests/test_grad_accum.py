@@ -6,7 +6,7 @@ profiled runner run (one device, DDP, DeepSpeed's stages, FSDP2). (A resumed run
 micro-batches of the steps it has taken: test_resume.py's single and DataParallel runs.)"""
 import pytest
 
-from conftest import ACCUMULATING, PROFILED_ROWS, assert_same_weights, read_result
+from conftest import ACCUMULATING, PROFILED_ROWS, assert_same_weights, assert_sends_what_its_formula_allows, read_result
 
 
 def assert_steps_like_one_device_at_32(output, single_reference):
@@ -20,7 +20,13 @@ def assert_steps_like_one_device_at_32(output, single_reference):
 def test_accumulating_ends_with_the_single_device_weights(accumulating_run, single_reference, strategy):
     _, output = accumulating_run(strategy)
     assert read_result(output)["gradient_accumulation_steps"] == 2
-    assert_steps_like_one_device_at_32(output, single_reference)
+    result = assert_steps_like_one_device_at_32(output, single_reference)
+    sent = result["collective_bytes"]
+    if strategy == "dataparallel":  # one process: its copies between devices are no collectives
+        assert sent["payload_bytes"] is None and "one process" in sent["note"]
+    else:  # one exchange of the gradients per step (DDP's no_sync(), Horovod's synchronize()), not per micro-batch
+        assert assert_sends_what_its_formula_allows(result) == sent
+        assert sent["kinds"]["all-reduce"]["bytes"] == pytest.approx(4 * result["parameters"], abs=1024)
 
 
 @pytest.mark.parametrize("row", PROFILED_ROWS)
@@ -41,6 +47,10 @@ def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_accumulation(ddp_r
     as 2 of 8 (the runner's DDP row): one per gradient bucket and step, not one per micro-batch. The
     last step's 12 samples are 2 micro-batches in the first run, 1 in the second."""
     output, _ = profiled_benchmark
-    counts = {accumulation: assert_steps_like_one_device_at_32(folder, single_reference)["gradient_allreduces"]
-              for accumulation, folder in ((4, ddp_run(4)[1]), (2, output / "ddp"))}
+    results = {accumulation: assert_steps_like_one_device_at_32(folder, single_reference)
+               for accumulation, folder in ((4, ddp_run(4)[1]), (2, output / "ddp"))}
+    counts = {accumulation: result["gradient_allreduces"] for accumulation, result in results.items()}
     assert counts[4] == counts[2] >= 11
+    # The bytes too: each step's gradients once, whatever the micro-batches (4 bytes per parameter).
+    for result in results.values():
+        assert assert_sends_what_its_formula_allows(result)["kinds"]["all-reduce"]["bytes"] == 4 * result["parameters"]

@@ -13,7 +13,8 @@ from support import machine
 from support.launch import STOP_SIGNALS
 import hooks
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights,
-                      free_port, predict_dev_accuracy, read_curves, read_result, require, run)
+                      assert_sends_what_its_formula_allows, free_port, predict_dev_accuracy, read_curves, read_result,
+                      require, run)
 
 SCRIPT = "multi-gpu-transformers-cls.py"
 
@@ -37,8 +38,10 @@ def test_three_processes_end_with_the_single_device_weights_and_count_each_dev_s
     process = torchrun(3, *EXACT, "--batch-size", "11", "--output-dir", str(tmp_path), env={"OMP_NUM_THREADS": "1"})
     assert_same_weights(single_33 / "model", tmp_path / "model")
     result, reference = read_result(tmp_path), read_result(single_33)
-    # The same fields as every script's result.json, filled the same way.
-    assert result.keys() == reference.keys()
+    # The same fields as every script's result.json, filled the same way, and what the processes sent:
+    # DDP's one all-reduce of the gradients per step, within its formula at 3.
+    assert result.keys() - {"collective_bytes", "collective_formula_bytes"} == reference.keys()
+    assert assert_sends_what_its_formula_allows(result)["kinds"]["all-reduce"]["bytes"] == 4 * result["parameters"]
     assert result["strategy"] == "hf-trainer" and result["launcher"] == "torchrun" and result["world_size"] == 3
     assert result["global_batch_size"] == 33 and result["batch_size_per_process"] == 11
     assert result["steps"] == reference["steps"] == 11 and result["samples_trained"] == 332

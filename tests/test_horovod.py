@@ -1,8 +1,8 @@
 """multi-gpu-horovod-cls.py under horovodrun (2 CPU processes over Gloo), and the Horovod build script."""
 import shutil
 
-from conftest import (BIN, DEV_SAMPLES, PYTHON, SMALL, assert_same_weights, read_result, require, run,
-                      run_in_process, untrained_dev_loss)
+from conftest import (BIN, DEV_SAMPLES, PYTHON, SMALL, assert_same_weights, assert_sends_what_its_formula_allows,
+                      read_result, require, run, run_in_process, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-horovod-cls.py"
 
@@ -30,6 +30,9 @@ def test_horovod_learns_with_fp16_allreduce_and_logs_once(tmp_path):
     assert result["dev_loss"] < untrained_dev_loss() - 0.03  # it learned: the reference run's Horovod did not
     assert "[1]<stdout>:【train】" not in process.stdout  # only rank 0 logs
     assert (tmp_path / "model" / "model.safetensors").is_file()
+    # fp16 compression sends each gradient in 2 bytes: half of test_grad_accum.py's fp32 all-reduce.
+    sent = assert_sends_what_its_formula_allows(result)
+    assert sent["kinds"]["all-reduce"]["bytes"] == 2 * result["parameters"]
 
 
 def test_horovod_equals_one_device_at_the_same_global_batch(accumulating_run, single_reference):
