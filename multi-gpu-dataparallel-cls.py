@@ -60,7 +60,7 @@ def choose_gpus(args):
 
 def main():
     parser = cli.build_parser(__file__, __doc__)
-    parser.add_argument("--gpu-ids", help="GPUs to use, comma-separated, e.g. 0,1; None = all")
+    parser.add_argument("--gpu-ids", help="GPUs to use, comma-separated, e.g. 0,1 (default: all)")
     args = cli.check_args(parser.parse_args())
     if args.compile:  # refused before any work: DataParallel copies the model anew at every forward
         raise cli.UserError("--compile: nn.DataParallel replicates the model at every forward, which "

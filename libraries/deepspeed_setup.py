@@ -38,17 +38,16 @@ def refuse_optimizer_sections(config, path):
 
 def add_deepspeed_args(parser):
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
-                        help="what ZeRO partitions; None = the config file's, else 2")
+                        help="ZeRO's stage (default: the config's, else 2)")
     parser.add_argument("--deepspeed-config", metavar="JSON",
-                        help="a DeepSpeed config, e.g. configs/deepspeed/zero3.json; the flags given override it")
+                        help="a config such as configs/deepspeed/zero3.json; the flags given override it")
     parser.add_argument("--offload", choices=list(OFFLOAD_KEYS),
-                        help="keep the optimizer state (and, at stage 3, the weights) in CPU memory; "
-                             "None = the config file's, else none")
-    cli.add_precision_arg(parser, default=None, default_help="the config file's, else fp32")
+                        help="optimizer state (stage 3: weights too) in CPU memory (default: the config's, "
+                             "else none)")
+    cli.add_precision_arg(parser, default=None, default_help="the config's, else fp32")
     parser.add_argument("--estimate-memory", type=int, nargs="*", metavar="N",
-                        help="print the model-state memory per GPU and per machine for each --zero-stage and "
-                             "--offload, for GPUS_PER_NODE [NODES] (None given = this launch's processes), "
-                             "then exit")
+                        help="print the model-state memory per GPU and machine of each stage and offload on "
+                             "GPUS_PER_NODE [NODES] (default: this launch's), then exit")
 
 
 def import_deepspeed(device):

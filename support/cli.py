@@ -3,6 +3,12 @@ script's failures reach the user (the launch environment is launch.py's).
 
 Imports nothing heavy (no torch, no transformers): what only plans runs, as the benchmark runner does,
 reads the options at once.
+
+--help lists the options in named groups: the strategy's own first (what a script adds with
+`parser.add_argument`), then model, data and output; training; checkpoints; speed; measurement. A new shared
+option goes in its group's add_*_args function below, whose `parser` is that group: `parser.add_argument`
+there lands in it. Its default is shown once: given as a value, --help appends it; where it depends on the
+run (None), the help says it in words, "(default: ...)".
 """
 import argparse
 import contextlib
@@ -14,6 +20,7 @@ import os
 import signal
 import stat
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -87,79 +94,141 @@ def report(line):
 
 # ----------------------------------------------------------------------------- command line
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Show each option's default and keep the script's docstring as written."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keep the script's docstring as written, and show each default once: "(default: ...)" after the help,
+    unless the help says it (an option whose default depends on the run: "default: ..." in its words) or
+    there is nothing to say (a flag, off unless given)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=32)
+
+    def _split_lines(self, text, width):  # "--batch-size" stays whole at the end of a line
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action):  # the hook argparse's own ArgumentDefaultsHelpFormatter overrides
+        text = action.help or ""
+        nothing_to_show = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if nothing_to_show or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class Parser(argparse.ArgumentParser):
+    """A script's command line in named groups. What the script adds with `parser.add_argument` is its
+    strategy's own (what it takes beyond single-gpu-cls.py) and is listed first; the shared options follow,
+    each in its group: model, data and output; training; checkpoints; speed; measurement."""
+
+    def __init__(self, **kwargs):
+        super().__init__(add_help=False, formatter_class=HelpFormatter, **kwargs)
+        self.strategy = self.add_argument_group("this strategy's options (beyond single-gpu-cls.py's)")
+
+    def add_argument(self, *args, **kwargs):
+        return self.strategy.add_argument(*args, **kwargs)
 
 
 def build_parser(script_file, description):
-    """The options every script accepts; scripts add their own with `parser.add_argument`."""
-    stem = Path(script_file).stem
-    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    """The options every script accepts. A script adds its own with `parser.add_argument` (its strategy's
+    group, listed first); a new shared option goes in the add_*_args function of its group below, where
+    `parser.add_argument` adds to that group."""
+    summary, about = split_docstring(description)
+    parser = Parser(usage="%(prog)s [options]", description=summary, epilog=about)
+    add_data_args(parser.add_argument_group("model, data and output"), Path(script_file).stem)
+    add_training_args(parser.add_argument_group("training"))
+    add_checkpoint_args(parser.add_argument_group("checkpoints"))
+    add_speed_args(parser.add_argument_group("speed"))
+    add_measurement_args(parser.add_argument_group("measurement"))
+    parser.add_argument_group("help").add_argument("-h", "--help", action="help", help="show this help and exit")
+    return parser
+
+
+def split_docstring(docstring):
+    """The script's summary above the options, so that a first run's options fit the first screen; its launch
+    lines and the rest of its docstring below them, the last lines --help leaves on the terminal."""
+    summary, _, rest = (docstring or "").strip("\n").partition("\n")
+    return summary, f"how to launch it, and what it shows:\n{rest}" if rest.strip() else None
+
+
+def add_data_args(parser, stem):
+    """What the run reads (first the model, then the data) and where it writes."""
     parser.add_argument("--model", default="auto",
-                        help="'auto' (local weights, else the hub, else tiny), 'tiny', 'base-shape' (the real model's "
-                             "architecture, random weights, offline), a folder or a hub id")
-    parser.add_argument("--data", default=str(ROOT / "data" / "train.json"), help="JSON list of [text, label]")
-    parser.add_argument("--max-samples", type=int, default=10000, help="use the first N records")
-    parser.add_argument("--dev-ratio", type=float, default=0.08, help="share of samples held out for dev")
-    parser.add_argument("--epochs", type=int, default=1)
+                        help="auto (local weights, else the hub, else tiny), tiny (fast), base-shape (BERT-base, "
+                             "random weights), a folder or a hub id")
+    parser.add_argument("--data", metavar="FILE", help="JSON list of [text, label] (default: data/train.json)",
+                        default=str(ROOT / "data" / "train.json"))
+    parser.add_argument("--output-dir", metavar="DIR", default=str(ROOT / "output" / stem),
+                        help=f"for model/, result.json, checkpoints (default: output/{stem})")
+    parser.add_argument("--max-samples", type=int, default=10000, metavar="N", help="use the first N records")
+    parser.add_argument("--dev-ratio", type=float, default=0.08, metavar="R", help="share held out for dev")
+    parser.add_argument("--max-seq-len", type=int, default=128, metavar="N", help="longer texts are truncated")
+
+
+def add_training_args(parser):
+    """Where and how long the model trains, and the step's arithmetic."""
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: GPUs if any")
+    parser.add_argument("--epochs", type=int, default=1, metavar="N", help="passes over the training set")
     parser.add_argument("--max-steps", type=int, default=0, metavar="N",
-                        help="stop after N optimizer steps (at most --epochs' worth), then evaluate on the whole dev "
-                             "set as usual; 0 = every step of --epochs")
-    parser.add_argument("--batch-size", type=int, default=32, help="per process and micro-batch")
+                        help="stop after N optimizer steps, then evaluate (default: 0, all of --epochs)")
+    parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="per process and micro-batch")
     parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
                         help="micro-batches per optimizer step (gradient accumulation): the global batch is "
                              "--batch-size x processes x N")
     parser.add_argument("--lr", type=float, default=None,
-                        help=f"default {DEFAULT_LR['tiny']} for the tiny model, {DEFAULT_LR['base-shape']} for "
-                             f"base-shape, {DEFAULT_LR['pretrained']} otherwise")
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--max-seq-len", type=int, default=128, help="longer texts are truncated")
-    parser.add_argument("--seed", type=int, default=123)
-    parser.add_argument("--log-steps", type=int, default=50, help="print the training loss every N steps")
-    parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps; 0 = only at the end")
-    parser.add_argument("--output-dir", default=str(ROOT / "output" / stem))
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
-    parser.add_argument("--threads", type=int,
-                        help="torch threads per process; None = the cores this process may use, shared "
-                             "equally by the processes on this machine, whatever the launcher set")
-    parser.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
-                        help="batch texts of similar length together: 2x faster here, same accuracy "
-                             "(microbenchmarks/pipeline.py)")
+                        help=f"learning rate (default: {DEFAULT_LR['tiny']} for tiny, {DEFAULT_LR['base-shape']} "
+                             f"for base-shape, {DEFAULT_LR['pretrained']} otherwise)")
+    parser.add_argument("--weight-decay", type=float, default=0.01, metavar="W", help="AdamW's weight decay")
+    parser.add_argument("--dropout", type=float, default=None, metavar="P",
+                        help="override the model's dropout probabilities")
+    parser.add_argument("--seed", type=int, default=123, help="for the random weights, shuffling and dropout")
     parser.add_argument("--no-shuffle", action="store_true", help="keep the training order fixed")
-    parser.add_argument("--dropout", type=float, default=None, help="override the model's dropout probabilities")
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="keep only each layer's input in forward and recompute the rest in backward: less "
-                             "activation memory for about one more forward pass of compute")
-    parser.add_argument("--save-steps", type=int, default=0,
-                        help="save a training checkpoint (for --resume) every N steps; 0 = never")
+
+
+def add_checkpoint_args(parser):
+    """Saving the training state in --output-dir, and continuing from it."""
+    parser.add_argument("--save-steps", type=int, default=0, metavar="N",
+                        help="save a training checkpoint (for --resume) every N steps (default: 0, never)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the training checkpoint in --output-dir, if there is one")
     parser.add_argument("--save-on-signal", action="store_true",
                         help="on SIGTERM or SIGUSR1 (a scheduler's notice before preemption or the time limit), "
                              "every process finishes its step, a checkpoint is saved, and the run stops")
-    add_speed_args(parser)
-    return parser
 
 
 def add_speed_args(parser):
-    """What makes a step faster without changing what it computes: compiling, padding, TF32; and the profiler."""
+    """What makes a step faster or smaller without changing what it computes: compiling, padding, TF32,
+    batching by length, recomputing activations, threads and loader workers."""
     parser.add_argument("--compile", action="store_true",
                         help="compile the model with torch.compile: its first steps pay the compilation "
                              "(first_step_seconds in result.json), later ones run fused kernels")
     parser.add_argument("--compile-mode", choices=COMPILE_MODES,
                         help="torch.compile's mode (implies --compile): reduce-overhead replays each step's kernels "
-                             "as CUDA graphs (GPUs; single, DDP and AMP); None = default")
+                             "as CUDA graphs (GPUs; single, DDP and AMP)")
     parser.add_argument("--compile-dynamic", choices=["auto", "static", "dynamic"], default="auto",
                         help="static: a graph per step shape (dynamic=False); dynamic: one graph for every length "
-                             "(dynamic=True); auto = static when --pad-to-multiple-of makes the shapes repeat")
+                             "(dynamic=True); auto: static when --pad-to-multiple-of makes the shapes repeat")
     parser.add_argument("--pad-to-multiple-of", type=int, metavar="N",
                         help="pad each batch to its longest text rounded up to a multiple of N tokens, and fill a "
-                             "short batch with repeats of weight 0: a handful of step shapes; None = 16 on a GPU, "
-                             "1 on a CPU (each batch to its longest text)")
+                             "short batch with repeats of weight 0: a handful of step shapes (default: 16 on a "
+                             "GPU, 1 on a CPU: each batch to its longest text)")
     parser.add_argument("--tf32", action="store_true",
                         help="fp32 matrix products on TF32 tensor cores (NVIDIA GPUs from Ampere on): 10 "
-                             "mantissa bits in the products, fp32 everywhere else; default IEEE fp32")
+                             "mantissa bits in the products, fp32 everywhere else; without it IEEE fp32")
+    parser.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                        help="batch texts of similar length together: 2x faster here, same accuracy "
+                             "(microbenchmarks/pipeline.py)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="keep only each layer's input in forward and recompute the rest in backward: less "
+                             "activation memory for about one more forward pass of compute")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="torch threads per process (default: the cores this process may use, shared "
+                             "equally by the processes on this machine, whatever the launcher set)")
+    parser.add_argument("--num-workers", type=int, default=0, metavar="N", help="DataLoader worker processes")
+
+
+def add_measurement_args(parser):
+    """What the run reports while it trains: the loss, dev accuracy, a profile."""
+    parser.add_argument("--log-steps", type=int, default=50, metavar="N", help="print the training loss every N steps")
+    parser.add_argument("--eval-steps", type=int, default=0, metavar="N",
+                        help="evaluate every N steps (default: 0, only at the end)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="record STEPS training steps with torch.profiler after 2 warm-up steps: "
                              "<output-dir>/trace.json and milliseconds per phase in result.json (slower)")
@@ -171,20 +240,19 @@ def add_distributed_args(parser, backend=False, local_rank=False):
     or the deepspeed launcher start, which pass --local-rank (older releases --local_rank). Both also
     set LOCAL_RANK, which is what the scripts read: the flag only tells which launcher ran."""
     parser.add_argument("--dist-timeout", type=float, default=300,
-                        help="seconds a collective call may wait for the other processes before failing")
+                        metavar="SECONDS", help="how long a collective waits")
     if local_rank:
         parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     if backend:
         parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                            help="auto = nccl between GPUs, gloo between CPU processes; gloo also lets more "
-                                 "processes than GPUs share them (to try the GPU path on one GPU)")
+                            help="auto: nccl on GPUs, gloo on CPUs; gloo lets processes share a GPU")
 
 
 def add_precision_arg(parser, default="fp32", default_help=None):
     """The one precision option of every script that can train in mixed precision."""
     parser.add_argument("--precision", choices=PRECISIONS, default=default,
-                        help="fp32, or mixed precision computing in bf16 or fp16 (fp16: GPUs only)"
-                             + (f"; None = {default_help}" if default_help else ""))
+                        help="fp32, or mixed precision: bf16, or fp16 (GPUs only)"
+                             + (f" (default: {default_help})" if default_help else ""))
 
 
 def check_args(args):

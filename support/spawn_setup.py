@@ -16,11 +16,13 @@ SHUTDOWN_GRACE_SECONDS, STOP_GRACE_SECONDS = 10, 30
 
 def add_launch_args(parser):
     """The options torchrun took, now the script's own."""
-    parser.add_argument("--nprocs", type=int, help="processes on this machine; None = one per GPU, or 2 on CPU")
-    parser.add_argument("--nnodes", type=int, default=1, help="machines taking part")
-    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index: 0 .. nnodes - 1")
-    parser.add_argument("--master-addr", help="address of the --node-rank 0 machine; None = 127.0.0.1")
-    parser.add_argument("--master-port", type=int, help="rendezvous port; None = a free one")
+    parser.add_argument("--nprocs", type=int, metavar="N",
+                        help="processes here (default: 1 per GPU, 2 on CPU)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines taking part")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="I", help="this machine's index: 0 .. nnodes - 1")
+    parser.add_argument("--master-addr", metavar="HOST",
+                        help="the --node-rank 0 machine (default: 127.0.0.1)")
+    parser.add_argument("--master-port", type=int, metavar="PORT", help="rendezvous port (default: a free one)")
 
 
 def check_launch(args, gpus):

@@ -630,6 +630,9 @@ for key, how, target, args in jobs:
         json.dump(results, file)
 """
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# A first screen: the helps are printed for a terminal this wide, and a first run's options fit its height.
+SCREEN_COLUMNS, SCREEN_ROWS = 80, 40
+HELP_ENV = {**OFFLINE, "COLUMNS": str(SCREEN_COLUMNS)}
 
 
 class Helps:
@@ -670,7 +673,7 @@ class Helps:
             output = self.scratch / f"helps-{len(self.harvests)}.json"
             process = subprocess.Popen([PYTHON, "-c", HARVEST, str(output), json.dumps([self.job(k) for k in keys])],
                                        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                       env={**os.environ, **OFFLINE})
+                                       env={**os.environ, **HELP_ENV})
             self.harvests.append((process, output, keys))
 
     def _collect(self, key):
@@ -697,7 +700,7 @@ class Helps:
             return Help(key, False, f"{argv[0]} not found", {})
         try:
             process = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=HELP_TIMEOUT,
-                                     env={**os.environ, **OFFLINE})
+                                     env={**os.environ, **HELP_ENV})
         except subprocess.TimeoutExpired:
             return Help(key, False, f"`{' '.join(argv)}` took more than {HELP_TIMEOUT} s", {})
         return self.parsed(key, process.returncode, process.stdout, process.stderr)
@@ -988,7 +991,7 @@ def helps(tmp_path_factory, commands):
     uses = [use for command in commands for use in analyse(command)[0]]
     # ... and those the checker's own tests below need.
     sample = {"predict.py", "single-gpu-cls.py", "multi-gpu-deepspeed-cls.py", "benchmark.py", "benchmark.py --list",
-              "torchrun", *strategies().values()}
+              "torchrun", *strategies().values(), *LESSONS}
     helps.prefetch(sorted(help_keys(uses) | launcher_keys(uses) | sample))
     # The fast commands run beside it (the helps take one core): test_fast_commands_run reads them.
     helps.fast = {}
@@ -1065,6 +1068,92 @@ def test_fast_commands_run(commands, helps):
         if not ok:
             report.append(f"{command.where}: `{command.text}` failed: {output.strip()[-600:]}")
     assert not report, failures("documented commands that fail", report)
+
+
+# ----------------------------------------------------------------------------- the lessons' --help
+
+LESSONS = sorted(path.name for path in ROOT.glob("*-cls.py"))
+# The groups a lesson's --help lists, in this order: its strategy's own options (what it takes beyond
+# single-gpu-cls.py's) first, then the shared ones (support/cli.py).
+STRATEGY_GROUP = "this strategy's options (beyond single-gpu-cls.py's)"
+SHARED_GROUPS = ["model, data and output", "training", "checkpoints", "speed", "measurement", "help"]
+# What a first run sets, so on the first screen: the model (tiny, offline) and the data it reads, where it
+# writes, the device, how long it trains and the batch that fits; a script that starts its own processes
+# (its strategy's group), how many.
+FIRST_RUN = ["--model", "--data", "--output-dir", "--device", "--epochs", "--max-steps", "--batch-size"]
+FIRST_RUN_IF_TAKEN = ["--nprocs"]
+
+
+def help_groups(text):
+    """{group title: {option: (screen row of its definition, its help)}} of an argparse --help, in order;
+    options above any title under None. Rows count a line longer than the screen as the rows it wraps to."""
+    groups, row, current, option = {}, 0, None, None
+    for line in text.splitlines():
+        row += max(1, -(-len(line) // SCREEN_COLUMNS))
+        definition = DEFINITION.match(line)
+        if re.fullmatch(r"[^\s].*:", line) and not line.startswith("usage:"):
+            current, option = line[:-1], None
+        elif definition:
+            names = [part.split()[0] for part in definition[1].split(", ")]
+            option = names[-1]
+            groups.setdefault(current, {})[option] = (row, line[definition.end():].strip())
+        elif option and line.startswith(" " * 8):   # the help's next line
+            where, words = groups[current][option]
+            groups[current][option] = (where, f"{words} {line.strip()}".strip())
+        else:
+            option = None
+    return groups
+
+
+def help_problems(text, single_options):
+    """What keeps a lesson's --help from reading in groups: an option outside the named groups, the groups
+    out of order, a shared option in the strategy's group, a default shown twice or as None, a first run's
+    option below the first screen."""
+    groups = help_groups(text)
+    options = {name: where for group in groups.values() for name, where in group.items()}
+    problems = [f"{', '.join(groups[title])} in the group {title!r}, not one of the named groups"
+                for title in groups if title not in (STRATEGY_GROUP, *SHARED_GROUPS)]
+    own = {name for name in options if name not in single_options}
+    expected = ([STRATEGY_GROUP] if own else []) + [title for title in SHARED_GROUPS if title in groups]
+    if list(groups) != expected:
+        problems.append(f"groups {list(groups)}, expected {expected}")
+    if own != set(groups.get(STRATEGY_GROUP, {})):
+        problems.append(f"the strategy's group holds {sorted(groups.get(STRATEGY_GROUP, {}))}, its own options "
+                        f"are {sorted(own)}")
+    for name, (_, words) in options.items():
+        if words.count("default:") > 1 or re.search(r"None =|\(default: (None|False)\)", words):
+            problems.append(f"{name}: its default shown twice or as None: {words!r}")
+    for name in FIRST_RUN + [name for name in FIRST_RUN_IF_TAKEN if name in options]:
+        if options.get(name, (SCREEN_ROWS + 1,))[0] > SCREEN_ROWS:
+            problems.append(f"{name}, a first run's option, is not on the first {SCREEN_ROWS} rows")
+    return problems
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_a_lessons_help_is_in_groups_with_a_first_run_on_the_first_screen(lesson, helps):
+    """The issue's newcomer: the strategy's options first, every option in a named group, each default
+    shown once, and what a first run sets on the first screen (80 x 40)."""
+    for script in (lesson, "single-gpu-cls.py"):
+        missing = re.search(r"No module named '([\w.]+)'", helps[script].text)
+        if missing:
+            require(missing[1])
+        assert helps[script].ok, helps[script].text
+    single_options = help_groups(helps["single-gpu-cls.py"].text)
+    problems = help_problems(helps[lesson].text, {name for group in single_options.values() for name in group})
+    assert not problems, failures(f"{lesson} --help", problems)
+
+
+def test_help_checker_reports_a_flat_list():
+    """The old --help: one flat list, a default shown as None and twice, the batch size past the first screen."""
+    filler = "".join(f"  --filler-{n} X    padding\n" for n in range(SCREEN_ROWS))
+    flat = ("usage: x.py [-h]\n\noptions:\n  -h, --help     show\n  --model MODEL  a name (default: auto)\n"
+            f"  --threads N    None = all (default: None)\n{filler}  --batch-size N  per process\n")
+    report = "\n".join(help_problems(flat, {"--help", "--model", "--threads", "--batch-size"}))
+    assert "--help, --model, --threads, --filler-0" in report and "not one of the named groups" in report
+    assert "--threads: its default shown twice or as None" in report
+    assert "--batch-size, a first run's option, is not on the first 40 rows" in report
+    assert "--epochs, a first run's option" in report               # missing altogether
+    assert "--model, a first run's option" not in report
 
 
 # ----------------------------------------------------------------------------- links
