@@ -130,6 +130,9 @@ def build_parser(script_file, description):
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="keep only each layer's input in forward and recompute the rest in backward: less "
                              "activation memory for about one more forward pass of compute")
+    parser.add_argument("--save-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="save the trained model to <output-dir>/model (--no-save-model: only result.json, as "
+                             "a benchmark needs; 390 MB at base-shape)")
     parser.add_argument("--save-steps", type=int, default=0,
                         help="save a training checkpoint (for --resume) every N steps; 0 = never")
     parser.add_argument("--resume", action="store_true",

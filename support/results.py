@@ -157,4 +157,5 @@ def report(trainer, result, metrics):
               + f"{profile['overlapped_communication_ms']:.1f} ms; trace: {trainer.output_dir / 'trace.json'}")
     print(f"dev: {result['dev_samples']} samples, accuracy {result['dev_accuracy']:.4f}, "
           f"macro-F1 {result['dev_macro_f1']:.4f}, loss {result['dev_loss']:.4f}")
-    print(f"saved: {trainer.output_dir / 'model'} and {trainer.output_dir / 'result.json'}")
+    saved = f"{trainer.output_dir / 'model'} and " if trainer.args.save_model else ""
+    print(f"saved: {saved}{trainer.output_dir / 'result.json'}")
