@@ -100,7 +100,7 @@ def test_the_model_gets_a_mask_it_need_not_read_back(monkeypatch):
     assert reads == [] and torch.equal(prepared.logits, unprepared)
 
 
-def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(tmp_path):
+def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(tmp_path, monkeypatch):
     """--compile-mode reduce-overhead: on a CPU, and for the strategies whose hooks move gradients or
     weights between the compiled kernels; the rest compile with it."""
     from support import cli, models
@@ -114,8 +114,15 @@ def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(tmp_path):
         with pytest.raises(cli.UserError, match=f"^--compile-mode reduce-overhead.*{problem}"):
             models.compile_options(args, SimpleNamespace(device=device, name=name))
     for name in models.CUDA_GRAPH_STRATEGIES:
-        options = models.compile_options(args, SimpleNamespace(device=cuda, name=name))
+        options = models.compile_options(args, SimpleNamespace(device=cuda, name=name, world_size=2))
         assert options == {"mode": "reduce-overhead", "dynamic": False}  # static shapes: a graph per length
+    # DDP's graph split (a graph per gradient bucket) only where there is an all-reduce to overlap: one
+    # process compiles one graph per shape.
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
+    models.compile_options(args, SimpleNamespace(device=cuda, name="ddp", world_size=2))
+    assert torch._dynamo.config.optimize_ddp is True
+    models.compile_options(args, SimpleNamespace(device=cuda, name="ddp", world_size=1))
+    assert torch._dynamo.config.optimize_ddp is False
     assert cli.check_args(args).compile is True  # the mode implies --compile
 
 
