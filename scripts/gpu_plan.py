@@ -490,6 +490,7 @@ def run(args, plan_units, measured):
         pack(out, summary)
     if group is not None:
         print_group(group, summary)
+    pack(out, summary)
     return finish(out, summary, started)
 
 
@@ -549,10 +550,21 @@ def table(entries):
     return ["| " + " | ".join(cell.ljust(width) for cell, width in zip(line, widths)) + " |" for line in lines]
 
 
+def peaks_line():
+    """The peaks measured, in TFLOP/s, or why there are none."""
+    peaks = json.loads((WORK / "peaks" / "peaks.json").read_text(encoding="utf-8"))["peaks"]
+    return "measured peaks, TFLOP/s: " + (", ".join(
+        f"{precision} {peak['tflops']:g}" if "tflops" in peak else f"{precision} {peak['error']}"
+        for precision, peak in peaks.items()) or "none (the peaks did not run)")
+
+
 def print_group(group, summary):
     entries = [entry for entry in summary["units"] if entry["group"] == group]
     if group == "peaks":
-        print((WORK / "peaks" / "peaks.json").read_text(encoding="utf-8").strip(), flush=True)
+        print(peaks_line(), flush=True)
+    elif group == "tests" and (WORK / "tests.log").is_file():
+        lines = (WORK / "tests.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()
+        print("tests: " + (lines[-1] if lines else "no output"), flush=True)
     elif any(entry.get("row") for entry in entries):
         print("\n".join(table(entries)), flush=True)
 
@@ -573,7 +585,7 @@ def pack(out, summary):
             break
     os.replace(partial, out / ARCHIVE)
     for name, text in ((SUMMARY_JSON, json.dumps(summary, indent=2) + "\n"),
-                       (SUMMARY_MD, "\n".join(["# GPU check", "", *table(summary["units"])]) + "\n")):
+                       (SUMMARY_MD, "\n".join(["# GPU check", "", peaks_line(), "", *table(summary["units"])]) + "\n")):
         (out / f"{name}.partial").write_text(text, encoding="utf-8")
         os.replace(out / f"{name}.partial", out / name)
 
@@ -581,7 +593,7 @@ def pack(out, summary):
 def finish(out, summary, started):
     """Every row's table last (the output's last 12,000 characters come back), what was left out with the
     command that runs it, and what --out holds."""
-    print("\n== every row\n" + "\n".join(table(summary["units"])), flush=True)
+    print("\n== every row (" + peaks_line() + ")\n" + "\n".join(table(summary["units"])), flush=True)
     not_run = [entry for entry in summary["units"] if entry["status"] != "ok"]
     failed = [entry["unit"] for entry in not_run if entry["status"] != "left out"]
     planned = [Unit(entry["unit"], entry["group"], 0, "") for entry in summary["units"]]
