@@ -22,6 +22,7 @@ of all they wrote (no weights), summary.json and summary.md; each group's table 
 every row's table last.
 """
 import argparse
+import hashlib
 import importlib.util
 import json
 import math
@@ -39,7 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The committed one-GPU tables at real size: the H100's now, the H200's once its check is published.
 TABLES = "docs/results/1x-nvidia-h[12]00*-base-shape*/benchmark.json"
-WORK = ROOT / "output" / "gpu-check-runs"  # what the launches write (never under --out)
+WORK_ROOT = ROOT / "output" / "gpu-check-runs"  # what the launches write (never under --out)
+WORK = None  # this call's folder under WORK_ROOT (work_folder), set by run()
 ARCHIVE, SUMMARY_JSON, SUMMARY_MD = "gpu-check.tar.gz", "summary.json", "summary.md"
 RETURNED_FILE_BYTES = 16 * 2**20  # the GPU machine's limit per file
 MEMBER_LIMIT_BYTES = 2 * 2**20  # a larger file (a profiler trace) stays out of the archive
@@ -465,11 +467,19 @@ def rows_of(unit_name):
         return []
 
 
+def work_folder(out):
+    """Where the launches of the call into `out` write: a folder of its own, so that two calls from one
+    checkout into two folders never clear each other's."""
+    return WORK_ROOT / f"{out.name}-{hashlib.sha1(str(out).encode()).hexdigest()[:8]}"
+
+
 def run(args, plan_units, measured):
     started = args.started or time.time()
     deadline = None if args.budget is None else started + args.budget - CLOSING_SECONDS
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    global WORK
+    WORK = work_folder(out)
     shutil.rmtree(WORK, ignore_errors=True)
     (WORK / "peaks").mkdir(parents=True)
     write_peaks(WORK / "peaks", args.device, {})  # none until the peaks run: benchmark.py measures none itself
