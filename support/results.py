@@ -107,7 +107,8 @@ def throughput_line(result):
     steady = result["steady_model_flops_per_second"]
     graphs, cuda_graphs, shapes = result["compiled_graphs"], result.get("cuda_graphs"), result.get("step_shapes")
     return (f"first step {result['first_step_seconds']:.2f} s"
-            + (f" (compiling: {graphs} graph{'s' * (graphs != 1)}" if result["compiled"] else "")
+            + (f" (compiled while training: {graphs} graph{'s' * (graphs != 1)}" if result["compiled"] else "")
+            + (f" in {result['compile_seconds']:.1f} s" if result.get("compile_seconds") is not None else "")
             + (f", {cuda_graphs} CUDA graphs" if cuda_graphs is not None else "")
             + (")" if result["compiled"] else "")
             + (f", then {result['steady_step_seconds'] * 1000:.1f} ms per step (median), "
