@@ -473,6 +473,19 @@ def work_folder(out):
     return WORK_ROOT / f"{out.name}-{hashlib.sha1(str(out).encode()).hexdigest()[:8]}"
 
 
+def fresh_compile_cache(env, first=False):
+    """A new, empty inductor cache (its Triton kernels within) for the launches to come: one per call
+    (`first`: those of an earlier call into the same --out go), and another after a launch stopped, which
+    may have left a kernel half-written there (an empty .so, seen on the CPU) that fails every later compile."""
+    pattern = f"{WORK.name}-inductor-*"
+    if first:
+        for old in WORK_ROOT.glob(pattern):
+            shutil.rmtree(old, ignore_errors=True)
+    cache = WORK_ROOT / f"{WORK.name}-inductor-{len(list(WORK_ROOT.glob(pattern))) + 1}"
+    cache.mkdir(parents=True)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+
+
 def run(args, plan_units, measured):
     started = args.started or time.time()
     deadline = None if args.budget is None else started + args.budget - CLOSING_SECONDS
@@ -487,6 +500,7 @@ def run(args, plan_units, measured):
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     known = rows_known(args.python, env)
+    fresh_compile_cache(env, first=True)
     summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), "budget": args.budget,
                "device": args.device, "model": args.model, "units": []}
     group = None
@@ -497,6 +511,8 @@ def run(args, plan_units, measured):
             group = unit.group
             print(f"\n== {group}: {GROUPS[group]}", flush=True)
         summary["units"].append(run_unit(unit, args, measured, known, env, deadline))
+        if summary["units"][-1]["status"] == "stopped":
+            fresh_compile_cache(env)
         pack(out, summary)
     if group is not None:
         print_group(group, summary)

@@ -4,6 +4,7 @@ command that runs them, stops a launch at its limit, and brings back everything 
 machine's return rules (one run on the CPU proves it), no weights among it."""
 import json
 import re
+import shutil
 import sys
 import tarfile
 import time
@@ -113,8 +114,18 @@ def test_bad_input_gets_one_line_and_status_2(arguments, message):
 
 
 @pytest.mark.quick
-def test_a_launch_is_stopped_at_its_limit_with_what_it_started(tmp_path):
-    """A hang costs its limit, not the call: the launch and the processes it started are stopped."""
+def test_a_launch_is_stopped_at_its_limit_with_what_it_started(tmp_path, monkeypatch):
+    """A hang costs its limit, not the call: the launch and the processes it started are stopped, and the
+    launches after it compile into a new inductor cache (a kernel it left half-written fails every compile)."""
+    monkeypatch.setattr(gpu_plan, "WORK_ROOT", tmp_path)
+    monkeypatch.setattr(gpu_plan, "WORK", tmp_path / "OUT-1234")
+    env = {}
+    caches = []
+    for first in (True, False, False, True):
+        gpu_plan.fresh_compile_cache(env, first)
+        caches.append(Path(env["TORCHINDUCTOR_CACHE_DIR"]).name)
+    assert caches == ["OUT-1234-inductor-1", "OUT-1234-inductor-2", "OUT-1234-inductor-3", "OUT-1234-inductor-1"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["OUT-1234-inductor-1"]
     child = tmp_path / "child.pid"
     command = [sys.executable, "-c", "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                f"open({str(child)!r}, 'w').write(str(subprocess.Popen(['sleep', '60']).pid)); time.sleep(60)"]
@@ -135,13 +146,15 @@ def test_a_launch_is_stopped_at_its_limit_with_what_it_started(tmp_path):
 RETURNED_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
-def test_the_check_on_a_cpu_brings_back_every_row_within_the_gpu_machines_return_rules(tmp_path):
+def test_the_check_on_a_cpu_brings_back_every_row_within_the_gpu_machines_return_rules(tmp_path, request):
     """Two groups' units (a goal row and a default row) on the CPU into an empty folder standing for $OUT:
     at most 8 files, 2 folders down, plain names, 16 MiB each; the archive holds every row's
     benchmark.json, table and result.json and no weights; the peaks are not measured again per launch;
     the output's last 12,000 characters hold every row's table with its overhead."""
     out = tmp_path / "OUT"
     out.mkdir()
+    request.addfinalizer(lambda: [shutil.rmtree(folder) for folder in  # the launches' folder, outside $OUT
+                                  gpu_plan.WORK_ROOT.glob(f"{gpu_plan.work_folder(out.resolve()).name}*")])
     done = run(["bash", "scripts/gpu-check.sh", "ddp", "single", "--device", "cpu", "--budget", "0", "--out", str(out),
                 "--model", "tiny", "--max-steps", "3", "--", "--nprocs", "1", "--max-samples", "120",
                 "--dev-ratio", "0.1", "--batch-size", "8"], timeout=600)
