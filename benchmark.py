@@ -44,7 +44,7 @@ from bench.estimate import announce_real_size, check_batches_fit, expected_durat
 from bench.options import list_rows, parse_args, plan
 from bench.provenance import choose_model, describe_machine, git_state, gpu_count, library_versions
 from bench.rows import STRATEGIES, relative
-from bench.run import add_figures, measure_matmul_peaks, run_all, summarize
+from bench.run import add_figures, measure_matmul_peaks, read_matmul_peaks, run_all, summarize
 from support import cli, files
 
 
@@ -95,6 +95,7 @@ def main():
     if args.list:
         list_rows(args.variants)
         return
+    measured = read_matmul_peaks(args.matmul_peaks) if args.matmul_peaks else None  # before any launch: one line
     model, model_note = choose_model(args.model, gpus)
     cells = plan(args, gpus)
     check_batches_fit(args, cells, gpus)
@@ -118,9 +119,10 @@ def main():
 
     run_all(args, cells, model, gpus, after_each)
     report["rows"] = [summarize(cell) for cell in cells]
-    print("measuring the matrix-product peak of each precision the rows computed in (microbenchmarks/matmul_peak.py)",
-          flush=True)
-    report["matmul_peaks"] = measure_matmul_peaks(report["rows"])
+    if measured is None:
+        print("measuring the matrix-product peak of each precision the rows computed in "
+              "(microbenchmarks/matmul_peak.py)", flush=True)
+    report["matmul_peaks"] = measure_matmul_peaks(report["rows"], measured)
     print("measuring this machine's all-reduce for the projection of the bytes sent (microbenchmarks/allreduce.py)",
           flush=True)
     report["interconnect"] = bench_traffic.measure_interconnect(report, args.max_samples, args.output_dir)

@@ -373,7 +373,8 @@ class Trainer(Run):
             self.callbacks.append(checkpoints.SaveOnSignal())
         progress = self.train(first_step)
         metrics = self.evaluate()
-        self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
+        if self.args.save_model:
+            self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
         return self.write_result(progress, metrics, first_step)
 
     def train(self, first_step=0):

@@ -132,10 +132,11 @@ def train_evaluate_save(run, training_args, data):
     # [save] The whole weights (gathered by every process from DeepSpeed ZeRO-3 or FSDP shards), written
     #    by rank 0 with checkpoints.save_model: safetensors, config and tokenizer, swapped in whole.
     #    Trainer.save_model would write in place, and add training_args.bin (a pickle).
-    state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
-    if run.strategy.is_main:
-        checkpoints.save_model(trainer.accelerator.unwrap_model(trainer.model), data.tokenizer,
-                               run.output_dir / "model", state_dict=state_dict)
+    if run.args.save_model:
+        state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+        if run.strategy.is_main:
+            checkpoints.save_model(trainer.accelerator.unwrap_model(trainer.model), data.tokenizer,
+                                   run.output_dir / "model", state_dict=state_dict)
     run.write_result(progress, metrics, 0)  # 0: no --resume here; the measurements: run.callbacks
 
 

@@ -72,6 +72,9 @@ def build_parser(gpus, description):
                         help="seconds one launch may take before it is killed (default: %(default)g)")
     parser.add_argument("--output-dir", default=str(ROOT / "output" / "benchmark"),
                         help="where the table, chart, logs and each run's files go (default: output/benchmark)")
+    parser.add_argument("--matmul-peaks", metavar="FILE",
+                        help="the matrix-product peaks measured already (scripts/gpu-check.sh's peaks.json, "
+                             "{device, peaks: {precision: {tflops}}}): not measured again after the rows")
     parser.add_argument("--publish", nargs="?", const="", metavar="SUFFIX",
                         help="also copy the tables, JSON and chart to docs/results/<machine>[-<model>][-SUFFIX]/ "
                              "(a SUFFIX keeps the run beside another of the same machine and model)")

@@ -244,9 +244,9 @@ PHASE_LEGEND = ("Milliseconds per recorded step on rank 0 (--profile), the mean 
                 "is taken out of the phase that waited.")
 THROUGHPUT_LEGEND = ("The first step is timed apart: it pays the one-time costs (compilation with --compile, "
                      "loading the kernels of new shapes); a compiled row says how many graphs dynamo compiled while "
-                     "training (a recompile or a graph break adds one). The steady steps follow it: their median step, "
-                     "and their samples and model FLOPs over their seconds, the mean rates (a later recompile counts "
-                     "there, not in the median). "
+                     "training (a recompile or a graph break adds one). The steady steps are the later ones that "
+                     "compiled no graph and recorded no CUDA graph: their median step, and their samples and model "
+                     "FLOPs over their seconds, the mean rates. "
                      "step shapes: the distinct (batch, length) shapes trained (--pad-to-multiple-of). "
                      "tokens/s: real tokens (no padding) over the whole loop's seconds. Model FLOPs: the matrix "
                      "products of forward and backward at the shapes computed, padding included (flops.py); MFU "

@@ -231,7 +231,7 @@ def launch_once(command, env, shown, run_dir, log_path, timeout):
 
 # What each row's result.json says of its pace against the limit (measure.Throughput).
 THROUGHPUT_FIELDS = ("compiled", "compiled_graphs", "cuda_graphs", "step_shapes", "pad_to_multiple_of",
-                     "compute_precision", "devices", "first_step_seconds",
+                     "compute_precision", "devices", "first_step_seconds", "compile_seconds", "steady_steps",
                      "steady_step_seconds", "steady_samples_per_second", "real_tokens_per_second",
                      "computed_tokens_per_second", "model_flops_per_second", "steady_model_flops_per_second", "mfu",
                      "mfu_real", "real_flops_share", "peak_tflops", "peak_source", "mfu_note")
@@ -309,9 +309,21 @@ def add_figures(report):
             and abs(row["speedup"] - other["speedup"]) / max(row["speedup"], other["speedup"]) < floor]
 
 
-def measure_matmul_peaks(rows):
+def read_matmul_peaks(path):
+    """{"<device> <precision>": {"tflops"}} of a peaks.json that scripts/gpu-check.sh measured once for all
+    its benchmark runs; a precision it lacks is not measured again (its row has no measured MFU)."""
+    try:
+        measured = json.loads(Path(path).read_text(encoding="utf-8"))
+        return {f"{measured['device']} {precision}": peak for precision, peak in measured["peaks"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise cli.UserError(f"--matmul-peaks {path}: not a peaks.json of scripts/gpu-check.sh "
+                            f"({type(error).__name__})") from None
+
+
+def measure_matmul_peaks(rows, measured=None):
     """This machine's achievable matrix-product rate for each device and precision the rows computed in
-    (microbenchmarks/matmul_peak.py, on all the cores or the first GPU), and each row's MFU against it."""
+    (microbenchmarks/matmul_peak.py, on all the cores or the first GPU), and each row's MFU against it;
+    `measured` (read_matmul_peaks): the rates measured already, and no others."""
     from microbenchmarks import matmul_peak  # imports torch: for the run, not for the planning
     peaks = {}
     for row in rows:
@@ -319,6 +331,8 @@ def measure_matmul_peaks(rows):
             continue
         device = "cuda" if row["device"].startswith("cuda") else "cpu"
         key = f"{device} {row['compute_precision']}"
+        if key not in peaks and measured is not None:
+            peaks[key] = measured.get(key, {"error": "not in --matmul-peaks"})
         if key not in peaks:
             try:
                 peaks[key] = {"tflops": round(matmul_peak.measure(device, row["compute_precision"]), 4)}

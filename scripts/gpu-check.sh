@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check: one call of at most --budget seconds (480) on a machine with one CUDA GPU and no network.
-# In order of value: the matrix-product peaks; DDP at real size (base-shape) in fp32, TF32, bf16, fp16 and
-# with per-batch padding; the compiled and CUDA-graph rows; the batch sweep; the other default rows; then
-# tests/test_gpu.py. Each launch has a timeout; what does not fit the budget is dropped, least valuable
-# first. Everything that comes back (tables, JSON, charts, logs; no weights) is under --out, rewritten
-# after every row. The plan and its logic: scripts/gpu_plan.py.
+# In order of value: the matrix-product peaks; the goals at real size (base-shape), one process at batch
+# 32: fp32 and bf16, each eager and as CUDA graphs, torch.compile against eager; the fastest bf16 row at
+# batch 512 (1024 if it fits); the other default rows; tests/test_gpu.py; the other precisions and
+# compiled rows. Each launch has its own timeout; what does not fit the budget is dropped, least
+# valuable first, and named with the command that runs it. --out gets three files, rewritten after every
+# launch: gpu-check.tar.gz (all the launches wrote: tables, JSON, charts, logs; no weights), summary.json
+# and summary.md; each group's table is printed as it ends, every row's last. The plan: scripts/gpu_plan.py.
 #
-#   scripts/gpu-check.sh --dry-run                  # the plan, its H100 estimate and the command; any machine
+#   scripts/gpu-check.sh --dry-run                  # the plan, its H200 estimate and the command; any machine
 #   PYTHON=python3 scripts/gpu-check.sh --wheels .whl --out "$OUT"   # there (wheels: scripts/fetch-gpu-wheels.sh .whl)
-#   scripts/gpu-check.sh compiled tests --budget 300 # only these groups, within 300 s
+#   scripts/gpu-check.sh peaks b1024 tests --budget 300  # only these groups and units, within 300 s
 #   scripts/gpu-check.sh -- --max-samples 2000      # options after -- go to benchmark.py
 #   scripts/gpu-check.sh --device cpu ...           # the rehearsal on a CPU (scripts/gpu-rehearsal.sh)
 #   scripts/gpu-check.sh --help                     # every option

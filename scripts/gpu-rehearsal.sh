@@ -35,7 +35,7 @@ export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} --basetemp=/tmp/pt-gpu-rehearsal"
 failed=()
 for model in tiny base-shape; do
     groups=()  # every group at tiny; at base-shape all but the tests, which run once
-    [ "$model" = tiny ] || groups=(peaks precision compiled sweep default)
+    [ "$model" = tiny ] || groups=(peaks goals sweep default more)
     echo; echo "=== gpu-rehearsal: the plan at $model on the CPU"
     PYTHON=$VENV/bin/python scripts/gpu-check.sh ${groups[@]+"${groups[@]}"} --device cpu --wheels "$WHEELS" \
         --budget 0 --out "$out/$model" --model "$model" --max-steps 2 --sweep 2,4,8 \

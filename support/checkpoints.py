@@ -47,7 +47,7 @@ ON_RESUME = {
     # restore), so a new --lr is the user's choice for the steps to come, as after a loss spike;
     # --lr and --weight-decay go into the restored optimizer, and a change is named.
     # --deepspeed-config: what it sets of the refused ones is compared as those.
-    **dict.fromkeys(["--lr", "--weight-decay", "--dropout", "--epochs", "--max-steps", "--log-steps",
+    **dict.fromkeys(["--lr", "--weight-decay", "--dropout", "--epochs", "--max-steps", "--log-steps", "--save-model",
                      "--eval-steps", "--save-steps", "--save-on-signal", "--resume", "--output-dir", "--device",
                      "--num-workers", "--threads", "--gradient-checkpointing", "--compile", "--compile-mode",
                      "--compile-dynamic", "--pad-to-multiple-of", "--tf32", "--profile", "--dist-timeout",
@@ -84,7 +84,7 @@ def check_free_space(trainer):
     first save, after the training before it."""
     parameters = sum(getattr(p, "ds_numel", p.numel())  # ZeRO-3 keeps only a shard's numel
                      for p in trainer.strategy.unwrap(trainer.model).parameters())
-    needed = parameters * 4 * (4 if trainer.args.save_steps else 1)
+    needed = parameters * 4 * ((3 if trainer.args.save_steps else 0) + trainer.args.save_model)
     disk = existing_parent(trainer.output_dir)
     free = shutil.disk_usage(disk).free
     if needed > free:

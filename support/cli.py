@@ -184,6 +184,9 @@ def add_training_args(parser):
 
 def add_checkpoint_args(parser):
     """Saving the training state in --output-dir, and continuing from it."""
+    parser.add_argument("--save-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="save the trained model to <output-dir>/model (--no-save-model: only result.json, as "
+                             "a benchmark needs; 390 MB at base-shape)")
     parser.add_argument("--save-steps", type=int, default=0, metavar="N",
                         help="save a training checkpoint (for --resume) every N steps (default: 0, never)")
     parser.add_argument("--resume", action="store_true",

@@ -190,18 +190,22 @@ class ModelStateCount(Callback):
 class Throughput(Callback):
     """How fast the steps ran and how close to the device's limit. The first step is timed apart: it
     pays the one-time costs (torch.compile, loading the kernels of new shapes, the allocator's first
-    blocks), which a user pays once per run. The steady steps follow it: their median, samples/s,
-    tokens/s, model FLOP/s (flops.py, from the shapes each micro-batch computed) and MFU, the FLOP/s
-    per device over the GPU's published dense peak for the precision the run computes in.
+    blocks), which a user pays once per run. Steady steps are the later steps that neither compiled a
+    graph nor recorded a CUDA graph (a new shape does both, on its first and second step) nor ran under
+    a profiler (CollectiveBytes' few steps, --profile's, which slow every operator): their median,
+    samples/s, model FLOP/s (flops.py, from the shapes each micro-batch computed) and MFU, the FLOP/s
+    per device over the GPU's published dense peak for the precision the run computes in. The seconds
+    torch.compile spent while training are reported apart.
 
     A step's end is marked without waiting for the GPU (CUDA events, read when the loop has ended),
     so measuring adds no host sync to the loop but one, after the first step.
     """
 
     def __init__(self, trainer):
-        self.device = trainer.strategy.device
-        self.first_step, self.first_tokens, self.marks, self.compiled_graphs = None, None, [], None
-        self.cuda_graphs = None
+        self.device, self.args = trainer.strategy.device, trainer.args
+        self.first_step, self.compiled_graphs, self.cuda_graphs, self.compile_seconds = None, None, None, None
+        # Per step after the first: its end mark, samples, token sums so far, and whether it compiled or recorded.
+        self.marks, self.samples, self.token_sums, self.warming = [], [], [], []
 
     def mark(self):
         if self.device.type == "cuda":
@@ -210,57 +214,81 @@ class Throughput(Callback):
             return event
         return time.perf_counter()
 
+    def graphs_so_far(self):
+        """(graphs dynamo compiled, CUDA graphs recorded) so far: a step that changes either is not steady."""
+        if not self.args.compile:
+            return None, None
+        from torch._dynamo.utils import counters
+        recorded = cuda_graphs_recorded(self.device) if self.args.compile_mode == "reduce-overhead" else None
+        return counters["stats"]["unique_graphs"], recorded
+
     def on_train_begin(self, trainer):
         synchronize(self.device)
         self.start = time.perf_counter()
+        self.graphs = self.graphs_so_far()
 
     def on_step_end(self, trainer, step):
+        graphs = self.graphs_so_far()
         if self.first_step is None:
             synchronize(self.device)
             self.first_seconds = time.perf_counter() - self.start
-            self.first_step, self.first_samples = step, trainer.train_loader.batch_sampler.samples_in_step(step)
-            self.first_tokens = trainer.progress.tokens.sums.clone()
+            self.first_step = step
+        # A profiler still on here recorded this step: callbacks after this one stop theirs (common.py's order).
+        self.warming.append(graphs != self.graphs or torch.autograd.profiler._is_profiler_enabled)
+        self.graphs = graphs
         self.marks.append(self.mark())
+        self.samples.append(trainer.train_loader.batch_sampler.samples_in_step(step))
+        self.token_sums.append(trainer.progress.tokens.sums.clone())  # no read back: a copy where they are
 
     def on_train_end(self, trainer):
         synchronize(self.device)
-        self.tokens = trainer.progress.tokens.sums.clone()
-        if trainer.args.compile:  # graphs dynamo compiled while training: each recompile or graph break adds one
-            from torch._dynamo.utils import counters
-            self.compiled_graphs = counters["stats"]["unique_graphs"]
-        if trainer.args.compile_mode == "reduce-overhead":
-            self.cuda_graphs = cuda_graphs_recorded(self.device)
+        self.compiled_graphs, self.cuda_graphs = self.graphs_so_far()
+        if self.args.compile:  # dynamo's own clock: tracing and compiling forward and backward graphs
+            from torch._dynamo.utils import calculate_time_spent
+            spent = calculate_time_spent()
+            self.compile_seconds = round(spent.get("entire_frame_compile", 0) + spent.get("entire_backward_compile", 0),
+                                         2)
         self.step_seconds = [self.seconds(index) for index in range(1, len(self.marks))]
 
     def seconds(self, index):
         """The seconds of this launch's step `index` (from 0): the first's as timed apart, then the gap
-        between its mark and the one before (CUDA events: read once the GPU has passed both)."""
+        between its mark and the one before (CUDA events: read once the GPU has passed both, which
+        curves.py's writes while training wait for)."""
         if index == 0:
             return self.first_seconds
         before, after = self.marks[index - 1], self.marks[index]
-        return before.elapsed_time(after) / 1000 if self.device.type == "cuda" else after - before
+        if self.device.type != "cuda":
+            return after - before
+        after.synchronize()
+        return before.elapsed_time(after) / 1000
+
+    def steady(self, config):
+        """(seconds of each steady step, their samples, their share of this process's model FLOPs): the
+        share is exact whatever the shapes of the steps left out."""
+        sums = torch.stack(self.token_sums).cpu()[:, results.COMPUTED_SUMS]  # what the model computed
+        steps = [k for k in range(1, len(self.marks)) if not self.warming[k]]
+        tokens = sum((sums[k] - sums[k - 1] for k in steps), torch.zeros(sums.shape[1], dtype=sums.dtype))
+        share = flops.training_flops(config, *tokens.tolist()) / flops.training_flops(config, *sums[-1].tolist())
+        return [self.step_seconds[k - 1] for k in steps], sum(self.samples[k] for k in steps), share
 
     def on_result(self, trainer, result):
         if self.first_step is None:  # nothing trained (a --resume past the last step)
             return
         config = trainer.strategy.unwrap(trainer.model).config
-        computed = results.COMPUTED_SUMS  # count_tokens' sums of what the model computed
         model_flops = flops.training_flops(config, *(result[name] for name in results.COMPUTED_COUNTS))  # the job's
-        # The steady steps' share of the FLOPs, from this process's own counts: exact, whatever the
-        # first batch's length.
-        steady_share = 1 - flops.training_flops(config, *self.first_tokens[computed].tolist()) / flops.training_flops(
-            config, *self.tokens[computed].tolist())
-        steady_seconds = result["train_seconds"] - self.first_seconds
+        seconds, samples, share = self.steady(config)
         strategy = trainer.strategy
         devices = len(strategy.gpus_in_use()) * strategy.world_size if self.device.type == "cuda" else 1
-        steady_flops = model_flops * steady_share / steady_seconds if steady_seconds > 0 else None
+        steady_seconds = sum(seconds)
+        steady_flops = model_flops * share / steady_seconds if steady_seconds > 0 else None
         # The FLOPs the real tokens need, each text at its own length: padding is work no user wants.
         real_share = flops.training_flops(config, *(result[name] for name in results.REAL_COUNTS)) / model_flops
         result.update({
             "first_step_seconds": round(self.first_seconds, 3),
-            "steady_step_seconds": round(statistics.median(self.step_seconds), 4) if self.step_seconds else None,
-            "steady_samples_per_second": (round((result["samples_trained"] - self.first_samples) / steady_seconds, 2)
-                                          if steady_seconds > 0 else None),
+            "compile_seconds": self.compile_seconds,
+            "steady_steps": len(seconds),
+            "steady_step_seconds": round(statistics.median(seconds), 4) if seconds else None,
+            "steady_samples_per_second": round(samples / steady_seconds, 2) if steady_seconds > 0 else None,
             "real_tokens_per_second": round(result["real_tokens"] / result["train_seconds"], 1),
             "computed_tokens_per_second": round(result["computed_tokens"] / result["train_seconds"], 1),
             "model_flops": model_flops,

@@ -227,10 +227,12 @@ def compile_options(args, strategy):
     if args.compile_dynamic == "auto":  # resolved once, for result.json too
         args.compile_dynamic = "static" if args.pad_to_multiple_of > 1 else "dynamic"
     static = args.compile_dynamic == "static"
-    if not static:
+    if not static or strategy.world_size == 1:
         # DDP's graph splitter (a graph per gradient bucket) with dynamic shapes fails in torch 2.11's
         # inductor ("expected [s16] to have been codegen-ed", BERT-base on GPU and CPU alike): one whole
-        # graph, as torch's maintainers advise (pytorch#111636). Static shapes keep the split.
+        # graph, as torch's maintainers advise (pytorch#111636). Static shapes keep the split, which
+        # lets a bucket's all-reduce start during backward: with one process there is none to overlap,
+        # and the split would only cut each shape's graph in pieces (about 17 at BERT-base).
         torch._dynamo.config.optimize_ddp = False
     else:
         # A graph per length of the ladder, for training and for evaluation (no_grad compiles its own).

@@ -115,7 +115,8 @@ def throughput_line(result):
     steady = result["steady_model_flops_per_second"]
     graphs, cuda_graphs, shapes = result["compiled_graphs"], result.get("cuda_graphs"), result.get("step_shapes")
     return (f"first step {result['first_step_seconds']:.2f} s"
-            + (f" (compiling: {graphs} graph{'s' * (graphs != 1)}" if result["compiled"] else "")
+            + (f" (compiled while training: {graphs} graph{'s' * (graphs != 1)}" if result["compiled"] else "")
+            + (f" in {result['compile_seconds']:.1f} s" if result.get("compile_seconds") is not None else "")
             + (f", {cuda_graphs} CUDA graphs" if cuda_graphs is not None else "")
             + (")" if result["compiled"] else "")
             + (f", then {result['steady_step_seconds'] * 1000:.1f} ms per step (median), "
@@ -167,4 +168,5 @@ def report(trainer, result, metrics):
               + f"{profile['overlapped_communication_ms']:.1f} ms; trace: {trainer.output_dir / 'trace.json'}")
     print(f"dev: {result['dev_samples']} samples, accuracy {result['dev_accuracy']:.4f}, "
           f"macro-F1 {result['dev_macro_f1']:.4f}, loss {result['dev_loss']:.4f}")
-    print(f"saved: {trainer.output_dir / 'model'} and {trainer.output_dir / 'result.json'}")
+    saved = f"{trainer.output_dir / 'model'} and " if trainer.args.save_model else ""
+    print(f"saved: {saved}{trainer.output_dir / 'result.json'}")

@@ -100,7 +100,7 @@ def test_the_model_gets_a_mask_it_need_not_read_back(monkeypatch):
     assert reads == [] and torch.equal(prepared.logits, unprepared)
 
 
-def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(tmp_path):
+def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(tmp_path, monkeypatch):
     """--compile-mode reduce-overhead: on a CPU, and for the strategies whose hooks move gradients or
     weights between the compiled kernels; the rest compile with it."""
     from support import cli, models
@@ -114,8 +114,15 @@ def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(tmp_path):
         with pytest.raises(cli.UserError, match=f"^--compile-mode reduce-overhead.*{problem}"):
             models.compile_options(args, SimpleNamespace(device=device, name=name))
     for name in models.CUDA_GRAPH_STRATEGIES:
-        options = models.compile_options(args, SimpleNamespace(device=cuda, name=name))
+        options = models.compile_options(args, SimpleNamespace(device=cuda, name=name, world_size=2))
         assert options == {"mode": "reduce-overhead", "dynamic": False}  # static shapes: a graph per length
+    # DDP's graph split (a graph per gradient bucket) only where there is an all-reduce to overlap: one
+    # process compiles one graph per shape.
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
+    models.compile_options(args, SimpleNamespace(device=cuda, name="ddp", world_size=2))
+    assert torch._dynamo.config.optimize_ddp is True
+    models.compile_options(args, SimpleNamespace(device=cuda, name="ddp", world_size=1))
+    assert torch._dynamo.config.optimize_ddp is False
     assert cli.check_args(args).compile is True  # the mode implies --compile
 
 
@@ -193,3 +200,33 @@ def test_attention_leaves_cudnn_on_a_gpu_only(monkeypatch):
     assert calls == []
     machine.use_attention_without_plans(torch.device("cuda", 0))
     assert calls == [False]
+
+
+def test_steady_steps_are_those_that_compiled_no_graph_and_recorded_no_cuda_graph(monkeypatch):
+    """Six steps of a compiled run replayed as CUDA graphs: the first compiles; the third meets a new
+    shape and compiles it, the fourth records that shape's CUDA graph. The steady steps are the second,
+    fifth and sixth alone: their seconds, samples and share of the FLOPs (each step its own shape)."""
+    from support import flops
+    args = SimpleNamespace(compile=True, compile_mode="reduce-overhead")
+    lengths = [16, 16, 32, 32, 16, 16]
+    progress = SimpleNamespace(tokens=SimpleNamespace(sums=torch.zeros(6, dtype=torch.float64)))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(device=torch.device("cpu")), args=args, progress=progress,
+                              train_loader=SimpleNamespace(batch_sampler=SimpleNamespace(samples_in_step=lambda s: 8)))
+    throughput = measure.Throughput(trainer)
+    graphs = iter([(0, 0), (1, 0), (1, 0), (2, 0), (2, 2), (2, 2), (2, 2), (2, 2)])  # begin, 6 steps, end
+    ends = iter([10.0, 10.1, 15.1, 16.1, 16.2, 16.3])  # the steps' end marks: 0.1, 5 (compiling), 1 (recording) ...
+    monkeypatch.setattr(throughput, "graphs_so_far", lambda: next(graphs))
+    monkeypatch.setattr(throughput, "mark", lambda: next(ends))
+    throughput.on_train_begin(trainer)
+    for step, length in enumerate(lengths, start=1):
+        progress.tokens.sums = progress.tokens.sums + torch.tensor([0, 0, 0, 8 * length, 8, 8 * length ** 2])
+        throughput.on_step_end(trainer, step)
+    throughput.on_train_end(trainer)
+    config = SimpleNamespace(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_labels=6)
+    seconds, samples, share = throughput.steady(config)
+
+    def step_flops(length):
+        return flops.training_flops(config, 8 * length, 8, 8 * length ** 2)
+    assert seconds == pytest.approx([0.1, 0.1, 0.1]) and samples == 24
+    assert share == pytest.approx(3 * step_flops(16) / sum(step_flops(length) for length in lengths))
+    assert (throughput.compiled_graphs, throughput.cuda_graphs) == (2, 2)
