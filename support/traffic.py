@@ -168,12 +168,12 @@ class HorovodRecord:
 def record_for(strategy):
     """How this run's collectives are recorded: a ProfilerRecord or a HorovodRecord, or None, and why
     not where a row should say so (one device has none; DataParallel's are copies in one process)."""
-    if strategy.name == "horovod":
-        return HorovodRecord(strategy.world_size), None
     if strategy.name == "dataparallel":
         return None, DATAPARALLEL_NOTE
-    if strategy.name == "single-device":
+    if strategy.world_size == 1:  # one process sends nothing: its steps are not slowed to record it
         return None, None
+    if strategy.name == "horovod":
+        return HorovodRecord(strategy.world_size), None
     return ProfilerRecord(strategy.world_size), None
 
 
