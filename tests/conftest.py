@@ -95,9 +95,10 @@ def run(command, timeout=600, env=None, check=True):
 
 def run_in_process(command, env=None):
     """Run `python SCRIPT ARGS...` in this interpreter, for checks that end before any training (a bad
-    option or input, a wrong launch): a new Python would spend its 5 s importing torch and transformers
-    for a fraction of a second of work. Returns what `run(..., check=False)` would: the exit status and
-    the two streams, with an uncaught exception's traceback on stderr as the interpreter prints it."""
+    option or input, a wrong launch) and one-process runs whose launcher is not the point: a new Python
+    would spend its 5 s importing torch and transformers first. Returns what `run(..., check=False)`
+    would: the exit status and the two streams, with an uncaught exception's traceback on stderr as the
+    interpreter prints it."""
     script, *args = map(str, command)
     stdout, stderr = io.StringIO(), io.StringIO()
     saved = dict(os.environ), sys.argv, os.getcwd(), {number: signal.getsignal(number) for number in STOP_SIGNALS}
@@ -128,6 +129,15 @@ def run_in_process(command, env=None):
         if threads:
             sys.modules["torch"].set_num_threads(threads)
     return subprocess.CompletedProcess(command, returncode, stdout.getvalue(), stderr.getvalue())
+
+
+def run_here(command):
+    """run(command) for `python SCRIPT ARGS...` in this interpreter (run_in_process): the test fails on
+    a non-zero exit and shows the end of stderr."""
+    process = run_in_process(command[1:])
+    if process.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, command))} exited {process.returncode}\n--- stderr\n{process.stderr[-4000:]}")
+    return process
 
 
 def read_result(output_dir):
@@ -356,6 +366,9 @@ RESUMABLE = {
                            "--batch-size", "16"],
 }
 RESUME_ENV = {"deepspeed": {"DS_ACCELERATOR": "cuda"}}
+# `python SCRIPT`, one process: resumed (and single's uninterrupted run, test_resume.py) in the tests'
+# interpreter, which has imported torch already. Their crashed runs, whose ends other files read, launch.
+ONE_PROCESS = ("single", "dataparallel")
 # DeepSpeed's run crashes under its own launcher (test_reliability.py reads how it ends the job), and
 # its checkpoint resumes under torchrun.
 CRASHING = {"deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
@@ -399,8 +412,10 @@ def resumed_run(tmp_path_factory, crashed_run):
         def launch(folder):
             output = folder / "output"  # what the run wrote, apart from once_per_session's file
             shutil.copytree(crashed.output, output, ignore=shutil.ignore_patterns("returned.pickle"))
-            return run([*RESUMABLE[strategy](), *RESUME, "--output-dir", str(output), "--resume"],
-                       env=RESUME_ENV.get(strategy, {})), output
+            command = [*RESUMABLE[strategy](), *RESUME, "--output-dir", str(output), "--resume"]
+            if strategy in ONE_PROCESS:
+                return run_here(command), output
+            return run(command, env=RESUME_ENV.get(strategy, {})), output
         return once_per_session(tmp_path_factory, f"resumed-{strategy}", launch)
     return get
 

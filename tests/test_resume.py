@@ -14,8 +14,8 @@ import pytest
 import common
 from support import checkpoints, models
 from support.errors import UserError
-from conftest import (BIN, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_curves, read_result, require,
-                      run, run_in_process)
+from conftest import (BIN, ONE_PROCESS, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_curves,
+                      read_result, require, run, run_here, run_in_process)
 from test_bad_input import assert_clean_error
 
 # The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
@@ -31,7 +31,8 @@ def uninterrupted(tmp_path_factory):
     def get(name):
         if name not in runs:
             output = tmp_path_factory.mktemp(f"uninterrupted-{name}")
-            run([*RESUMABLE[name](), *RESUME, "--output-dir", str(output)])
+            command = [*RESUMABLE[name](), *RESUME, "--output-dir", str(output)]
+            (run_here if name in ONE_PROCESS else run)(command)
             runs[name] = output
         return runs[name]
     return get
