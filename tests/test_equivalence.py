@@ -1,7 +1,7 @@
 """Every strategy is single-device training at the same global batch: 3 processes x 11 against one
 device x 33, on data whose last global batch (2 samples) cannot be shared by 3 processes and whose
 83 dev samples do not split over them. One launch per strategy checks the weights, the dev count
-and the thread policy; DDP's run compiled. Lightning Fabric's is test_fabric.py's FSDP2 run, the Hugging Face Trainer's
+and the thread policy; DDP's run compiled, DeepSpeed ZeRO-1's optimizer offloaded. Lightning Fabric's is test_fabric.py's FSDP2 run, the Hugging Face Trainer's
 test_hf_trainer.py's."""
 
 import pytest
@@ -24,9 +24,10 @@ LAUNCH = {
     "horovod": lambda: [BIN / "horovodrun", "-np", "3", "-H", "localhost:3", "--gloo", "--start-timeout", "120",
                         PYTHON, "multi-gpu-horovod-cls.py"],
     # Under torchrun, which sets what the deepspeed launcher would and starts no two Pythons of its own
-    # first (test_deepspeed.py and the accumulating run take the deepspeed launcher).
+    # first (test_deepspeed.py and the accumulating run take the deepspeed launcher). ZeRO-1 offloads
+    # its optimizer to DeepSpeed's CPU Adam, in the precision a CPU gets by default: fp32.
     "deepspeed-zero1": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
-                                "multi-gpu-deepspeed-cls.py", "--zero-stage", "1", "--precision", "fp32"],
+                                "multi-gpu-deepspeed-cls.py", "--zero-stage", "1", "--offload", "optimizer"],
     "deepspeed-zero3": lambda: [BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
                                 "multi-gpu-deepspeed-cls.py", "--zero-stage", "3", "--precision", "fp32"],
     "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "3",
@@ -45,6 +46,8 @@ def test_three_processes_end_with_the_single_device_weights(tmp_path, single_33,
     result = read_result(tmp_path)
     assert result["world_size"] == 3 and result["global_batch_size"] == 33 and result["precision"] == "fp32"
     assert result["compiled"] is (strategy == "ddp")
+    if strategy.startswith("deepspeed"):
+        assert result["offload"] == ("optimizer" if strategy == "deepspeed-zero1" else "none")
     if strategy == "ddp":
         assert result["compile_dynamic"] == "static" and result["step_shapes"] <= 128 // 32
         assert result["compiled_graphs"] == result["step_shapes"]  # a graph per shape (the tiny model: one bucket)
