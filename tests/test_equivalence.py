@@ -1,8 +1,8 @@
 """Every strategy is single-device training at the same global batch: 3 processes x 11 against one
 device x 33, on data whose last global batch (2 samples) cannot be shared by 3 processes and whose
 83 dev samples do not split over them. One launch per strategy checks the weights, the dev count
-and the thread policy; DDP's run compiled, DeepSpeed ZeRO-1's optimizer offloaded. Lightning Fabric's is test_fabric.py's FSDP2 run, the Hugging Face Trainer's
-test_hf_trainer.py's."""
+and the thread policy; DDP's run compiled, DeepSpeed ZeRO-1's optimizer offloaded. Lightning
+Fabric's is test_fabric.py's FSDP2 run, the Hugging Face Trainer's test_hf_trainer.py's."""
 
 import pytest
 
