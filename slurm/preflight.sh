@@ -16,15 +16,6 @@ if [[ ! -x .venv/bin/python ]]; then
     echo "error: no .venv in $PWD: make it once on the shared filesystem (./test.sh --quick sets it up)" >&2
     exit 2
 fi
-# A SLURM_JOB_ID left in the environment (a copied shell, an export) makes no job: a job's machine has
-# Slurm's commands, which the rest of this file asks for the nodes.
-missing=$(for command in scontrol srun; do command -v "$command" >/dev/null || echo "$command"; done)
-if [[ -n $missing ]]; then
-    echo "error: SLURM_JOB_ID is set ($SLURM_JOB_ID) but this machine has no ${missing//$'\n'/ nor }" \
-         "(Slurm's commands): $0 runs as a Slurm job: submit it from the repository root with" \
-         "\`sbatch --gres gpu:N $0\`" >&2
-    exit 2
-fi
 # The scripts' --device: cuda unless DEVICE says otherwise, so that a job without its GPUs (a missing
 # --gres, a broken driver) stops in one line instead of training on the CPU for hours. An option
 # --device given to the batch file comes later and wins.
@@ -34,6 +25,13 @@ set -- --device "${DEVICE:-cuda}" "$@"
 if [[ -z $GPUS_PER_NODE && ${DEVICE:-cuda} == cuda ]] && ((${SLURM_GPUS_ON_NODE:-0} == 0)); then
     echo "error: this job was given no GPUs: submit it with sbatch --gres gpu:N (N GPUs per node;" \
          "GPUS_PER_NODE=N where the cluster has no gres), or with DEVICE=cpu on a CPU cluster" >&2
+    exit 2
+fi
+# A SLURM_JOB_ID left in the environment (a copied shell, an export) makes no job: only a job Slurm
+# knows here has the nodes the rest of this file asks for.
+if ! scontrol show job "$SLURM_JOB_ID" >/dev/null 2>&1; then
+    echo "error: SLURM_JOB_ID is set ($SLURM_JOB_ID), but no Slurm job of that id runs here (scontrol cannot" \
+         "show it): $0 runs as a Slurm job: submit it from the repository root with \`sbatch --gres gpu:N $0\`" >&2
     exit 2
 fi
 export GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}

@@ -10,6 +10,7 @@ ring algorithm moves in and out of each process follows from it (nccl-tests' bus
 for a broadcast or a reduce. With P parameters of b bytes the ZeRO paper's volumes per step are then:
 DDP and ZeRO-1/2 an all-reduce of the gradients, 2(n-1)/n P b; ZeRO-3 and FSDP an all-gather of the
 weights in forward and again in backward and a reduce-scatter of the gradients, 3(n-1)/n P b."""
+import atexit
 import collections
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "broadcast", "reduce", "other")
@@ -130,8 +131,12 @@ class ProfilerRecord:
         import torch.profiler
         self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
         self.profiler.start()
+        # A run stopped inside the window (a signal's checkpoint, an error) must not exit with the profiler
+        # on: its teardown at the interpreter's end changes the process's exit status.
+        atexit.register(self.profiler.stop)
 
     def stop(self):
+        atexit.unregister(self.profiler.stop)
         self.profiler.stop()
         self.calls = collective_calls(list(self.profiler.events()), self.world_size)
         self.profiler = None

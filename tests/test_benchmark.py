@@ -489,7 +489,7 @@ def test_a_row_whose_optional_library_is_missing_is_not_run_and_does_not_fail_th
                         else find_spec(name, *rest))
     monkeypatch.setattr(bench_run, "launch_once", lambda command, env, shown, run_dir, log, timeout: (
         results[run_dir.name], 1.0, None))
-    monkeypatch.setattr(benchmark, "measure_matmul_peaks", lambda rows: {})
+    monkeypatch.setattr(benchmark, "measure_matmul_peaks", lambda rows, measured: {})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(signal, "signal", lambda *args: None)
 

@@ -346,7 +346,7 @@ def test_a_batch_file_without_the_venv_says_so_before_asking_slurm_anything(tmp_
 @pytest.mark.parametrize("job_id", [None, "7"])
 def test_a_batch_file_run_by_bash_outside_slurm_says_to_sbatch_it_and_makes_nothing(tmp_path, job_id):
     """`bash slurm/x.sbatch` on a login node: one line naming sbatch, no output folder left behind; also
-    with a SLURM_JOB_ID left in the environment, on a machine without Slurm's commands."""
+    with a SLURM_JOB_ID left in the environment, which no job of Slurm's here has (Slurm's commands or not)."""
     outside_slurm = {name: value for name, value in os.environ.items() if not name.startswith("SLURM_")}
     for batch_file in sorted((ROOT / "slurm").glob("*.sbatch")):
         output_dir, name = tmp_path / batch_file.stem, f"slurm/{batch_file.name}"
@@ -354,8 +354,8 @@ def test_a_batch_file_run_by_bash_outside_slurm_says_to_sbatch_it_and_makes_noth
                                  env={**outside_slurm, "OUTPUT_DIR": str(output_dir), "DEVICE": "cpu",
                                       **({"SLURM_JOB_ID": job_id} if job_id else {})})
         assert (process.returncode, process.stderr.splitlines()) == (2, [
-            f"error: SLURM_JOB_ID is set (7) but this machine has no scontrol nor srun (Slurm's commands): {name} runs "
-            f"as a Slurm job: submit it from the repository root with `sbatch --gres gpu:N {name}`" if job_id else
+            f"error: SLURM_JOB_ID is set (7), but no Slurm job of that id runs here (scontrol cannot show it): {name} "
+            f"runs as a Slurm job: submit it from the repository root with `sbatch --gres gpu:N {name}`" if job_id else
             f"error: {name} runs as a Slurm job: submit it from the repository root with `sbatch --gres gpu:N {name}` "
             f"(N GPUs per node; on CPU nodes `DEVICE=cpu sbatch {name}`)"]), process.stderr
         assert not output_dir.exists()
