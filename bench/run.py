@@ -1,22 +1,16 @@
 """Launching the rows: round-robin over the repeats, each launch in its own session with a timeout,
 its result.json summarised into a row of the report, and the matrix-product peaks the MFU needs."""
-import contextlib
-import functools
 import json
 import os
-import resource
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 from tqdm import tqdm
 
-from support import cli, files, flops, launch
+from support import cli, files, flops, launching
 
 from . import report
 from .options import not_runnable, script_options
@@ -108,44 +102,10 @@ def launch_cell(args, cell, model, gpus):
             f"dev accuracy {result['dev_accuracy']:.4f}" + (f"; {report.starved_note(starved)}" if starved else ""))
 
 
-def stop(process):
-    """End the launcher and every process it started (they share its session, which is its process
-    group): waiting for the launcher alone would let a process it started outlive this one."""
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            process.poll()  # reaps the launcher
-            if not group_runs(process.pid):
-                return
-            time.sleep(0.1)
-
-
-def group_runs(group):
-    """Whether a process of `group` still runs: one that exited and waits for a parent to reap it (a
-    zombie) does not, though signals still reach it."""
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    if not Path("/proc/self/stat").exists():  # no /proc to tell zombies apart
-        return True
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            state, _, process_group = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            if int(process_group) == group and state != "Z":
-                return True
-    return False
-
-
 def failure_reason(log_path):
     """The first `error:` line a process printed (the cause; later ones are usually peers that lost
     their connection), else the last line that mentions an error, else the last line."""
-    lines = [line.strip() for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines()]
-    lines = [line for line in lines if line and not line.startswith("$ ")]
+    lines = [line.strip() for line in launching.printed(log_path)]
     for line in lines:
         position = line.find("error: ")
         if position == 0 or (position > 0 and line[position - 1] in " :>]"):
@@ -154,26 +114,6 @@ def failure_reason(log_path):
         if "error" in line.lower() or "exception" in line.lower():
             return line
     return lines[-1] if lines else "no output"
-
-
-class CpuTimes(NamedTuple):
-    """A moment of the machine, for what the launches between two of them got: the machine's busy CPU
-    seconds (/proc/stat; None without it), this runner's own and its finished children's (a launch's
-    processes, once reaped), and the 1-minute load average."""
-    busy: float | None
-    runner: float
-    children: float
-    load: float
-
-    @classmethod
-    def now(cls):
-        busy = None
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # user nice system idle iowait irq softirq steal ...: all but idle and iowait is busy.
-            ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-            busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-        runner, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-        return cls(busy, runner.ru_utime + runner.ru_stime, children.ru_utime + children.ru_stime, os.getloadavg()[0])
 
 
 def machine_share(before, after, wall, result):
@@ -198,27 +138,8 @@ def launch_once(command, env, shown, run_dir, log_path, timeout):
     (result dict or None, wall seconds, reason of a failure). The result holds machine_share's figures."""
     result_file = run_dir / "result.json"
     result_file.unlink(missing_ok=True)  # a failed launch must never report an earlier run's result
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    started, before = time.time(), CpuTimes.now()
-    start = time.perf_counter()
-    with open(log_path, "a", encoding="utf-8") as log:
-        log.write(f"$ {shown}\n")
-        log.flush()
-        # Its own session (out of reach of signals sent to ours), yet it ends with this runner, even a killed one.
-        with_the_runner = functools.partial(launch.stop_with_the_parent, os.getpid())
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=with_the_runner)
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop(process)
-            code = None
-        except BaseException:
-            stop(process)
-            raise
-    wall, after = time.perf_counter() - start, CpuTimes.now()
-    with open(log_path, "a", encoding="utf-8") as log:
-        log.write(f"$ # exit status {code}, {wall:.1f} s wall\n")
+    started = time.time()
+    code, wall, before, after, _ = launching.launch(command, log_path, timeout, ROOT, env, shown)
     if code is None:
         return None, wall, f"timed out after {timeout:g} s (--timeout)"
     if code != 0:

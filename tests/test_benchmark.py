@@ -15,7 +15,7 @@ import benchmark
 from bench import estimate, options, provenance, rows
 from bench import report as bench_report
 from bench import run as bench_run
-from support import cli, machine, models
+from support import cli, launching, machine, models
 from conftest import (CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, processes_mentioning, read_result, run,
                       run_in_process)
 
@@ -187,7 +187,7 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
 def test_a_row_starved_by_other_work_is_said_in_the_table_and_the_header_and_by_how_much():
     """Over 10 s of wall, the machine was busy 20 CPU s, the row's 2 threads took 5 of them: other work
     held 1.5 of the 2 cores, the row lacked 75% of what it asked for."""
-    before, after = bench_run.CpuTimes(100.0, 1.0, 0.0, 2.5), bench_run.CpuTimes(120.0, 1.0, 5.0, 3.5)
+    before, after = launching.CpuTimes(100.0, 1.0, 0.0, 2.5), launching.CpuTimes(120.0, 1.0, 5.0, 3.5)
     share = bench_run.machine_share(before, after, 10.0, {"world_size": 1, "threads_per_process": 2})
     assert share == {"cpu_seconds": 5.0, "threads": 2, "cpu_share": 0.25, "load_before": 2.5, "load_after": 3.5,
                      "other_cores": 1.5, "starved": 0.75}
@@ -297,7 +297,7 @@ def test_a_launch_dies_with_the_runner_even_when_the_runner_is_killed(tmp_path):
     runner.kill()
     runner.wait()
     deadline = time.monotonic() + 10
-    while bench_run.group_runs(launched):  # its own session: its process group is its pid
+    while launching.group_runs(launched):  # its own session: its process group is its pid
         assert time.monotonic() < deadline, "the launch outlived the runner"
         time.sleep(0.1)
 
@@ -703,5 +703,5 @@ def test_a_stopped_launch_leaves_no_process_of_its_own(tmp_path):
     while not processes_mentioning(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.2)  # its trap set
-    bench_run.stop(launch)
+    launching.stop(launch)
     assert processes_mentioning(marker) == []
