@@ -29,8 +29,6 @@ import math
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tarfile
 import time
@@ -38,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from support import launching  # noqa: E402 - the standard library only, as the planning needs
 # The committed one-GPU tables at real size: the H100's now, the H200's once its check is published.
 TABLES = "docs/results/1x-nvidia-h[12]00*-base-shape*/benchmark.json"
 WORK_ROOT = ROOT / "output" / "gpu-check-runs"  # what the launches write (never under --out)
@@ -369,12 +369,11 @@ def describe(plan, args, measured_from):
 
 def rows_known(python, env):
     """{row: (its strategy, GPU only?)} that this benchmark.py knows."""
-    done = subprocess.run([python, "benchmark.py", "--list"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
-    if done.returncode != 0:
-        raise PlanError(f"benchmark.py --list failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    log = WORK / "rows.log"
+    if launching.launch([python, "benchmark.py", "--list"], log, 120, ROOT, env).status != 0:
+        raise PlanError(f"benchmark.py --list failed: {(launching.printed(log) or ['no output'])[-1]}")
     known = {}
-    for line in done.stdout.splitlines()[1:]:
+    for line in launching.printed(log)[1:]:
         if line.startswith("  ") and len(line.split()) > 1:
             name, strategy = line.split()[:2]
             known[name] = (strategy, "[GPU only]" in line)
@@ -396,31 +395,6 @@ def cannot_run(row, known, device):
     if strategy in NEEDS and importlib.util.find_spec(NEEDS[strategy]) is None:
         return f"{NEEDS[strategy]} is not installed"
     return None
-
-
-def launch(command, log, limit, env, grace=15):
-    """Run `command` in its own session, its output in `log`, for at most `limit` seconds (then SIGTERM, and
-    after `grace` seconds SIGKILL to all it started). Returns (exit status, or None when stopped, seconds)."""
-    start = time.monotonic()
-    with open(log, "w", encoding="utf-8") as output:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        try:
-            status = process.wait(timeout=limit)
-        except subprocess.TimeoutExpired:  # SIGTERM first: benchmark.py then stops its launch and keeps its table
-            status = None
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # and whatever it started that is still there
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
-            output.write(f"\ngpu-check: stopped after {limit:.0f} s\n")
-    return status, time.monotonic() - start
 
 
 def data_options(batch, max_steps):
@@ -496,9 +470,7 @@ def run(args, plan_units, measured):
     shutil.rmtree(WORK, ignore_errors=True)
     (WORK / "peaks").mkdir(parents=True)
     write_peaks(WORK / "peaks", args.device, {})  # none until the peaks run: benchmark.py measures none itself
-    env = dict(os.environ)
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # added to ours
     known = rows_known(args.python, env)
     fresh_compile_cache(env, first=True)
     summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), "budget": args.budget,
@@ -535,9 +507,10 @@ def run_unit(unit, args, measured, known, env, deadline):
         print(f"gpu-check: {unit.name}: left out: {entry['reason']}", flush=True)
         return entry
     per_launch = timeout(unit.estimate) if args.device == "cuda" else CPU_TIMEOUT  # the H200's mean nothing on a CPU
-    status, took = launch(unit_command(unit, row, args, per_launch), WORK / f"{unit.name}.log", limit, env)
+    log = WORK / f"{unit.name}.log"
+    status, took, _, _, cpu = launching.launch(unit_command(unit, row, args, per_launch), log, limit, ROOT, env)
     entry.update(status="ok" if status == 0 else ("stopped" if status is None else f"failed ({status})"),
-                 seconds=round(took, 1), timeout=per_launch)
+                 seconds=round(took, 1), cpu_seconds=round(cpu, 1), timeout=per_launch)
     print(f"gpu-check: {unit.name}: {entry['status']} in {took:.0f} s (estimate {unit.estimate:.0f} s)", flush=True)
     return entry
 
@@ -589,8 +562,7 @@ def print_group(group, summary):
     if group == "peaks":
         print(peaks_line(), flush=True)
     elif group == "tests" and (WORK / "tests.log").is_file():
-        lines = (WORK / "tests.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()
-        print("tests: " + (lines[-1] if lines else "no output"), flush=True)
+        print("tests: " + (launching.printed(WORK / "tests.log") or ["no output"])[-1], flush=True)
     elif any(entry.get("row") for entry in entries):
         print("\n".join(table(entries)), flush=True)
 
@@ -641,7 +613,6 @@ def write_peaks(folder, device, peaks):
 
 def measure_peaks(device, folder):
     """The matrix-product peak of each precision (microbenchmarks/matmul_peak.py), written after each."""
-    sys.path.insert(0, str(ROOT))
     from microbenchmarks import matmul_peak  # imports torch: only here, in the launch
     folder.mkdir(parents=True, exist_ok=True)
     peaks = {}

@@ -7,7 +7,6 @@ import re
 import shutil
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -114,9 +113,10 @@ def test_bad_input_gets_one_line_and_status_2(arguments, message):
 
 
 @pytest.mark.quick
-def test_a_launch_is_stopped_at_its_limit_with_what_it_started(tmp_path, monkeypatch):
-    """A hang costs its limit, not the call: the launch and the processes it started are stopped, and the
-    launches after it compile into a new inductor cache (a kernel it left half-written fails every compile)."""
+def test_the_launches_after_a_stopped_one_compile_into_a_new_cache(tmp_path, monkeypatch):
+    """A hang costs its limit, not the call (tests/test_launching.py stops it at its timeout with what it
+    started); the launches after it compile into a new inductor cache (a kernel it left half-written fails
+    every compile)."""
     monkeypatch.setattr(gpu_plan, "WORK_ROOT", tmp_path)
     monkeypatch.setattr(gpu_plan, "WORK", tmp_path / "OUT-1234")
     env = {}
@@ -126,21 +126,6 @@ def test_a_launch_is_stopped_at_its_limit_with_what_it_started(tmp_path, monkeyp
         caches.append(Path(env["TORCHINDUCTOR_CACHE_DIR"]).name)
     assert caches == ["OUT-1234-inductor-1", "OUT-1234-inductor-2", "OUT-1234-inductor-3", "OUT-1234-inductor-1"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["OUT-1234-inductor-1"]
-    child = tmp_path / "child.pid"
-    command = [sys.executable, "-c", "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-               f"open({str(child)!r}, 'w').write(str(subprocess.Popen(['sleep', '60']).pid)); time.sleep(60)"]
-    started = time.monotonic()
-    status, took = gpu_plan.launch(command, tmp_path / "hang.log", 1, None, grace=1)
-    assert status is None and took < 10 and time.monotonic() - started < 10
-    assert "stopped after 1 s" in (tmp_path / "hang.log").read_text(encoding="utf-8")
-    pid = int(child.read_text())
-    for _ in range(50):
-        state = Path(f"/proc/{pid}/stat")
-        if not state.exists() or state.read_text().split()[2] == "Z":
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the launch's child {pid} still runs")
 
 
 RETURNED_NAME = re.compile(r"[A-Za-z0-9._-]+")
