@@ -169,11 +169,11 @@ STATE_COLUMNS = ("parameters", "gradients", "optimizer_state", "total")
 
 
 def test_the_anatomy_real_size_table_is_the_real_size_runs(real_size_rows):
-    """The table shows DDP and the sharded rows; the notes below it give every other row's total."""
+    """The table quotes DDP and sharded rows (the report links every row); the notes give the others' totals."""
     shown = table(section(ANATOMY, "## At real size: BERT-base"),
                   "| row | processes | weights | gradients | optimizer state | model state | ZeRO formula | peak RSS "
                   "| beyond the model state |")
-    assert shown.keys() == {"ddp"} | {name for name in real_size_rows if name.startswith(("deepspeed-n", "deepspeed-zero3", "fsdp"))}
+    assert "ddp" in shown and any(name.startswith("fsdp") for name in shown) and shown.keys() <= real_size_rows.keys()
     for name in shown:
         row = real_size_rows[name]
         expected = [str(row["processes"]), *(f"{row['model_state_bytes'][key] / MB:.2f}" for key in STATE_COLUMNS),
@@ -358,13 +358,14 @@ def measured_rows(path):
 
 
 def test_the_bytes_table_is_the_committed_base_shape_run():
-    """docs/anatomy.md's bytes per step at BERT-base's shape: every row of the run, its payload and calls by
-    kind, the ring's bytes and the formula's, in MB of 2^20 bytes."""
+    """docs/anatomy.md's bytes per step at BERT-base's shape: the rows it quotes (the report links every
+    row), each one's payload and calls by kind, the ring's bytes and the formula's, in MB of 2^20 bytes."""
     rows = measured_rows(BYTES_RUN)
     quoted = table(ANATOMY, "| row | precision | all-reduce | reduce-scatter | all-gather | broadcast | ring MB | "
                             "formula's ring MB |")
-    assert set(quoted) == set(rows)
-    for name, row in rows.items():
+    assert quoted and set(quoted) <= set(rows)
+    for name in quoted:
+        row = rows[name]
         kinds = row["collective_bytes"]["kinds"]
         expected = [row["precision"], *(f"{kinds[kind]['bytes'] / MB:.2f} ({kinds[kind]['calls']:g})"
                                         if kind in kinds else "-" for kind in SENT),
@@ -380,19 +381,20 @@ def projected(link):
 
 def test_the_projection_tables_are_the_committed_runs():
     """The projection of the base-shape rows to 8 and 64 GPUs, and the model against the steps measured here
-    at 2 processes (base shape) and 2 and 3 (tiny)."""
+    at 2 processes (base shape) and 2 and 3 (tiny): the rows the page quotes."""
     rows = measured_rows(BYTES_RUN)
     quoted = table(ANATOMY, "| row | compute ms | 8 GPUs, NVLink | 64 GPUs, InfiniBand | 64 GPUs, Ethernet |")
-    assert set(quoted) == set(rows)
-    for name, row in rows.items():
-        projection = row["projection"]
+    assert quoted and set(quoted) <= set(rows)
+    for name in quoted:
+        projection = rows[name]["projection"]
         expected = [f"{projection['compute_s'] * 1000:.0f}", *(projected(link) for link in projection["published"])]
         assert quoted[name] == expected, f"docs/anatomy.md's projection of {name}: {quoted[name]}, the run's {expected}"
     checked = {**rows, **measured_rows(TINY_BYTES_RUN)}
     quoted = table(ANATOMY, "| row | model | processes | predicted step ms, serial / overlapped | measured ms | "
                             "error, serial / overlapped |")
-    assert set(quoted) == set(checked)
-    for name, row in checked.items():
+    assert quoted and set(quoted) <= set(checked)
+    for name in quoted:
+        row = checked[name]
         here = row["projection"]["here"]
         predicted = f"{here['serial_s'] * 1000:.0f} / {here['overlapped_s'] * 1000:.0f}"
         expected = [row["model"], str(row["processes"]), predicted, f"{here['measured_s'] * 1000:.0f}",
