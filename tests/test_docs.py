@@ -33,6 +33,8 @@ What is checked, per command:
    (`--gres gpu:N`) or runs on CPUs (`DEVICE=cpu`): slurm/preflight.sh stops a job without either.
 The fast documented commands also run end to end (test_fast_commands_run): `--list`, and
 `--estimate-memory` with `--model tiny`; documented `--help` calls are covered by the check itself.
+README.md and docs/*.md hold at most WORD_LIMIT words in all, counted as `wc -w` counts them
+(test_the_pages_stay_within_the_word_limit); the runs' records under docs/results/ do not count.
 
 Each `--help` runs once per session, for the scripts and launchers the pages name, all in one
 Python process so that torch and the libraries are imported once (see HARVEST).
@@ -1244,6 +1246,33 @@ def test_step_marks_the_pages_cite_are_in_the_lessons():
     assert cited, "no page cites a step mark"
     missing = sorted(mark for mark in cited if f"# {mark} " not in lessons)
     assert not missing, f"marks the pages cite but no lesson has: {missing}"
+
+
+# ----------------------------------------------------------------------------- length
+
+WORD_LIMIT = 8000
+COUNTED_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def word_counts(paths):
+    """{page: its words}, a word as `wc -w` counts it in a UTF-8 locale: a run of non-white-space bytes."""
+    return {str(path.relative_to(ROOT)): len(path.read_bytes().split()) for path in paths}
+
+
+def over_word_limit(counts, limit=WORD_LIMIT):
+    """The failure's message when the pages hold more than `limit` words in all, naming each page's count; else None."""
+    total = sum(counts.values())
+    if total <= limit:
+        return None
+    pages = ", ".join(f"{name} {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
+    return f"README.md and docs/*.md hold {total} words, over the limit of {limit}: {pages}"
+
+
+def test_the_pages_stay_within_the_word_limit():
+    counts = word_counts(COUNTED_PAGES)
+    assert len(counts) > 1 and "README.md" in counts
+    problem = over_word_limit(counts)
+    assert problem is None, problem
 
 
 # ----------------------------------------------------------------------------- the checker can fail

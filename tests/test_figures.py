@@ -165,21 +165,14 @@ def test_the_sample_output_is_the_committed_single_row(run, rows):
         assert line in shown, f"docs/running.md should show: {line}"
 
 
-STATE_COLUMNS = ("parameters", "gradients", "optimizer_state", "total")
-
-
-def test_the_anatomy_real_size_table_is_the_real_size_runs(real_size_rows):
-    """The table shows DDP and the sharded rows; the notes below it give every other row's total."""
-    shown = table(section(ANATOMY, "## At real size: BERT-base"),
-                  "| row | processes | weights | gradients | optimizer state | model state | ZeRO formula | peak RSS "
-                  "| beyond the model state |")
-    assert shown.keys() == {"ddp"} | {name for name in real_size_rows if name.startswith(("deepspeed-n", "deepspeed-zero3", "fsdp"))}
-    for name in shown:
-        row = real_size_rows[name]
-        expected = [str(row["processes"]), *(f"{row['model_state_bytes'][key] / MB:.2f}" for key in STATE_COLUMNS),
-                    f"{row['model_state_formula_bytes']['total'] / MB:.2f}", f"{row['peak_memory_mb']:.0f}",
-                    f"{row['peak_memory_mb'] - row['model_state_bytes']['total'] / MB:.0f}"]
-        assert shown[name] == expected, f"docs/anatomy.md real-size row {name}: {shown[name]}, the run says {expected}"
+def test_the_anatomy_peak_memory_note_is_the_real_size_runs(real_size_rows):
+    """Sharding saves model state, not the host's peak: FSDP2's model state and peak at 4 processes, DDP's peak."""
+    fsdp, ddp = real_size_rows["fsdp-n4"], real_size_rows["ddp"]
+    note = (f"at 4 processes FSDP2 held {fsdp['model_state_bytes']['total'] / MB:.2f} MB and peaked at "
+            f"{fsdp['peak_memory_mb']:,.0f} MB resident, DDP at {ddp['peak_memory_mb']:,.0f} MB")
+    assert note in words(section(ANATOMY, "## At real size: BERT-base")), f"docs/anatomy.md should say: {note}"
+    assert fsdp["model_state_bytes"]["total"] < ddp["model_state_bytes"]["total"] / 3
+    assert fsdp["peak_memory_mb"] > ddp["peak_memory_mb"]
 
 
 def test_the_native_bf16_speed_up_is_the_committed_runs(rows):
@@ -241,8 +234,6 @@ def test_the_anatomy_real_size_notes_are_the_real_size_runs(real_size_rows):
     assert f"backward ({ddp['phases_ms']['backward'] / 1000:.1f} s)" in text
     exposed = [f"{allreduce(name)['exposed_ms']:.0f}" for name in ("ddp-spawn", "accelerate", "fabric")]
     assert "{} ms under spawn, {} under Accelerate, {} under Fabric".format(*exposed) in text
-    gradients = real_size_rows["ddp"]["model_state_bytes"]["gradients"]
-    assert f"BERT-base's {gradients / 1e6:.0f} MB of gradients" in text
     waited = real_size_rows["horovod"]["profile"]["collectives"]["horovod:synchronize"]["exposed_ms"]
     assert f"Horovod's optimizer step waits {waited:.0f} ms" in text
     assert waited < allreduce("ddp")["exposed_ms"], "the page says Horovod waits less than DDP's exposed all-reduce"
@@ -358,46 +349,20 @@ def measured_rows(path):
 
 
 def test_the_bytes_table_is_the_committed_base_shape_run():
-    """docs/anatomy.md's bytes per step at BERT-base's shape: every row of the run, its payload and calls by
-    kind, the ring's bytes and the formula's, in MB of 2^20 bytes."""
+    """docs/anatomy.md's bytes per step at BERT-base's shape: the rows it quotes (the report links every
+    row), each one's payload and calls by kind, the ring's bytes and the formula's, in MB of 2^20 bytes."""
     rows = measured_rows(BYTES_RUN)
     quoted = table(ANATOMY, "| row | precision | all-reduce | reduce-scatter | all-gather | broadcast | ring MB | "
                             "formula's ring MB |")
-    assert set(quoted) == set(rows)
-    for name, row in rows.items():
+    assert quoted and set(quoted) <= set(rows)
+    for name in quoted:
+        row = rows[name]
         kinds = row["collective_bytes"]["kinds"]
         expected = [row["precision"], *(f"{kinds[kind]['bytes'] / MB:.2f} ({kinds[kind]['calls']:g})"
                                         if kind in kinds else "-" for kind in SENT),
                     f"{row['collective_bytes']['ring_bytes'] / MB:.2f}",
                     f"{row['collective_formula_bytes']['ring_bytes'] / MB:.2f}"]
         assert quoted[name] == expected, f"docs/anatomy.md's bytes of {name}: {quoted[name]}, the run's {expected}"
-
-
-def projected(link):
-    return (f"{link['serial_s'] * 1000:.0f} / {link['overlapped_s'] * 1000:.0f} "
-            f"({link['efficiency_serial']:.0%} / {link['efficiency_overlapped']:.0%})")
-
-
-def test_the_projection_tables_are_the_committed_runs():
-    """The projection of the base-shape rows to 8 and 64 GPUs, and the model against the steps measured here
-    at 2 processes (base shape) and 2 and 3 (tiny)."""
-    rows = measured_rows(BYTES_RUN)
-    quoted = table(ANATOMY, "| row | compute ms | 8 GPUs, NVLink | 64 GPUs, InfiniBand | 64 GPUs, Ethernet |")
-    assert set(quoted) == set(rows)
-    for name, row in rows.items():
-        projection = row["projection"]
-        expected = [f"{projection['compute_s'] * 1000:.0f}", *(projected(link) for link in projection["published"])]
-        assert quoted[name] == expected, f"docs/anatomy.md's projection of {name}: {quoted[name]}, the run's {expected}"
-    checked = {**rows, **measured_rows(TINY_BYTES_RUN)}
-    quoted = table(ANATOMY, "| row | model | processes | predicted step ms, serial / overlapped | measured ms | "
-                            "error, serial / overlapped |")
-    assert set(quoted) == set(checked)
-    for name, row in checked.items():
-        here = row["projection"]["here"]
-        predicted = f"{here['serial_s'] * 1000:.0f} / {here['overlapped_s'] * 1000:.0f}"
-        expected = [row["model"], str(row["processes"]), predicted, f"{here['measured_s'] * 1000:.0f}",
-                    f"{here['error_serial']:+.0%} / {here['error_overlapped']:+.0%}"]
-        assert quoted[name] == expected, f"docs/anatomy.md's check of {name}: {quoted[name]}, the run's {expected}"
 
 
 def test_the_bytes_notes_are_the_committed_runs():
@@ -414,6 +379,7 @@ def test_the_bytes_notes_are_the_committed_runs():
     assert f"costs FSDP2 up to {fsdp:.0%} of its step and DDP {1 - ethernet['ddp']:.0%}" in text
     errors = [row["projection"]["here"]["error_serial"] for row in [*rows.values(), *tiny.values()]]
     within = sum(abs(error) <= 0.25 for error in errors)
+    assert f"predicted the {len(rows)} base-shape rows' steps and the tiny model's {len(tiny)}" in text
     assert f"within 25% of the measured step for {within} of these {len(errors)} rows" in text
     latency = json.loads(TINY_BYTES_RUN.read_text(encoding="utf-8"))["interconnect"]["3"]["latency_s"]
     assert (f"(+{tiny['horovod-n3']['projection']['here']['error_serial']:.0%} at 3 processes, where a call takes "
