@@ -3,26 +3,27 @@ import json
 
 import pytest
 
-from conftest import BIN, SAMPLES, free_port, run, small_split
+from conftest import ROOT, SAMPLES
 
 
-def test_allreduce_benchmark(tmp_path):
+def test_allreduce_benchmark(profiled_benchmark):
+    """The all-reduce the profiled run measured for its projection of the bytes sent (bench/traffic.py):
+    microbenchmarks/allreduce.py under torch.distributed.run, 2 processes, sizes 4K and 16M."""
+    import common
     from support import models
-    output = tmp_path / "allreduce.json"
-    run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "microbenchmarks/allreduce.py",
-         "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu",
-         "--sizes", "4K,1M", "--iters", "3", "--warmup", "1", "--json", str(output)], timeout=120)
-    result = json.loads(output.read_text(encoding="utf-8"))
+    output, _ = profiled_benchmark
+    result = json.loads((output / "allreduce-2.json").read_text(encoding="utf-8"))
     assert result["world_size"] == 2 and result["backend"] == "gloo"
 
-    # The tiny model of the SMALL split, built here as the training scripts build it.
-    train, _ = small_split()
+    # The tiny model of the split the runner named (--max-samples, the default --dev-ratio 0.08), built
+    # here as the training scripts build it.
+    train, _ = common.split_records(common.load_records(ROOT / "data" / "train.json"), SAMPLES, 0.08, 123)
     _, model = models.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
     parameters = sum(parameter.numel() for parameter in model.parameters())
     assert result["model_parameters"] == parameters
 
     rows = result["rows"]
-    assert [row["bytes"] for row in rows if not row["model_gradients"]] == [4096, 2**20]
+    assert [row["bytes"] for row in rows if not row["model_gradients"]] == [4096, 16 * 2**20]
     [model_row] = [row for row in rows if row["model_gradients"]]
     assert model_row["bytes"] == 4 * parameters and model_row["elements"] == parameters
     for row in rows:

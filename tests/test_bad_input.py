@@ -1,7 +1,8 @@
 """Bad input gets one clear line naming the problem and a non-zero exit, never a traceback.
 
-Each check ends before training, so it runs the script in this interpreter (run_in_process); the
-two of the quick tier launch a Python of their own, as a user does."""
+Each check ends before training, so it runs the script in this interpreter (run_in_process), the
+quick tier's too. The error line of a Python of its own: test_gpu_plan.py's refusals, and a failing
+rank's under its launcher (test_native.py, test_reliability.py)."""
 import json
 import shutil
 import socket
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import PYTHON, SAMPLES, SMALL, run, run_in_process
+from conftest import SAMPLES, SMALL, run_in_process
 
 
 def train(*extra, data=None, env=None):
@@ -55,8 +56,7 @@ def test_malformed_data_is_named_with_its_record(tmp_path, content, fragments):
 
 @pytest.mark.quick
 def test_missing_data_file(tmp_path):
-    process = run([PYTHON, "single-gpu-cls.py", *SMALL, "--data", str(tmp_path / "nope.json")], check=False)
-    assert_clean_error(process, "data file not found", "nope.json")
+    assert_clean_error(train(data=tmp_path / "nope.json"), "data file not found", "nope.json")
 
 
 def test_more_samples_than_the_data_has(tmp_path):
@@ -110,7 +110,7 @@ def test_cuda_asked_for_on_a_machine_without_it():
 
 @pytest.mark.quick
 def test_predict_with_a_missing_checkpoint(tmp_path):
-    process = run([PYTHON, "predict.py", "--checkpoint", str(tmp_path / "model"), "你好"], check=False)
+    process = run_in_process(["predict.py", "--checkpoint", str(tmp_path / "model"), "你好"])
     assert_clean_error(process, "no saved model", str(tmp_path / "model"))
 
 

@@ -15,7 +15,7 @@ import benchmark
 from bench import estimate, options, provenance, rows
 from bench import report as bench_report
 from bench import run as bench_run
-from support import cli, launching, machine, models
+from support import cli, files, launching, machine, models
 from conftest import (CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, processes_mentioning, read_result, run,
                       run_in_process)
 
@@ -39,17 +39,59 @@ def table_line(text, name):
     return next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
 
 
-def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_process_run(tmp_path):
-    """ddp at 1 and 2 processes, twice each: 4 launches (single's place in a sweep: the test after).
-    With OMP_NUM_THREADS=1 exported, as torchrun sets it for several processes: the thread policy
-    still gives the one process of ddp-n1 every usable core."""
-    process = run([PYTHON, "benchmark.py", "--only", "ddp", "--nprocs", "1,2", "--repeat", "2", *DATA,
-                   "--output-dir", str(tmp_path)], env={**CPU_ONLY, "OMP_NUM_THREADS": "1"}, timeout=1200)
+def answered_launches(monkeypatch, launched):
+    """Each launch of benchmark.py run in this process answered at once by a result.json as its script
+    writes one: the committed run's of its strategy, at the launch's process count and batch (the
+    runner's options), `launched` the runs' train seconds in order of launch, 3 step shapes and 60% of the
+    FLOPs on real tokens. A test of the runner's own part: the rows' real launches are the profiled run's
+    and the failing row's. Returns the launches: (row, command)."""
+    committed = json.loads(estimate.REFERENCE_RUN.read_text(encoding="utf-8"))["rows"]
+    launches = []
+
+    def option(command, name, default):
+        return int(command[command.index(name) + 1]) if name in command else default
+
+    def launch_once(command, env, shown, run_dir, log, timeout):
+        assert (ROOT / command[command.index("--output-dir") + 1]).resolve() == run_dir.resolve()
+        processes, batch = option(command, "--nproc_per_node", 1), option(command, "--batch-size", 32)
+        seconds = launched[len(launches)]
+        launches.append((run_dir.name, command))
+        template = next(row for row in committed if run_dir.name.startswith(f"{row['row']}-"))["runs"][0]
+        result = {**template, "world_size": processes, "batch_size_per_process": batch,
+                  "global_batch_size": batch * processes, "train_seconds": seconds,
+                  "samples_per_second": round(32 * 11 * processes / seconds, 2), "dev_samples": DEV_SAMPLES,
+                  "model": "tiny", "device": "cpu", "precision": "fp32", "step_shapes": 3, "real_flops_share": 0.6}
+        files.write_json(run_dir / "result.json", result)
+        return result, seconds + 5, None
+    monkeypatch.setattr(bench_run, "launch_once", launch_once)
+    return launches
+
+
+def given_peaks(folder):
+    """--matmul-peaks FILE, the committed run's peak in fp32 as scripts/gpu-check.sh writes peaks: none measured."""
+    peaks = folder / "peaks.json"
+    peaks.write_text(json.dumps({"device": "cpu", "peaks": {"fp32": {"tflops": 0.2149}}}), encoding="utf-8")
+    return ["--matmul-peaks", str(peaks)]
+
+
+def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_process_run(tmp_path, monkeypatch):
+    """ddp at 1 and 2 processes, twice each: 4 launches, answered in this process (answered_launches);
+    single's place in a sweep: the test after. (The thread policy's every usable core for one process
+    under an exported OMP_NUM_THREADS=1: the failing row's single; ddp at 1 process launched for real
+    by the runner: test_gpu_plan.py's check on the CPU.)"""
+    launches = answered_launches(monkeypatch, [10.0, 8.0, 11.0, 6.0])
+    process = run_in_process(["benchmark.py", "--only", "ddp", "--nprocs", "1,2", "--repeat", "2", *DATA,
+                              *given_peaks(tmp_path), "--output-dir", str(tmp_path)], env=CPU_ONLY)
+    assert process.returncode == 0, process.stderr
     report = load_report(tmp_path)
     assert report["all_succeeded"] is True and report["model"] == "tiny" and report["counts"] == [1, 2]
     rows = {row["row"]: row for row in report["rows"]}
     assert list(rows) == ["ddp-n1", "ddp-n2"]
     # Round-robin: every row's first launch before any row's second (plain lines: output is not a terminal).
+    assert [(name, command[command.index("--nproc_per_node") + 1]) for name, command in launches] == [
+        ("ddp-n1", "1"), ("ddp-n2", "2")] * 2
+    # Weak scaling: each process at its script's own batch of 32.
+    assert not any("--batch-size" in command for _, command in launches)
     order = re.findall(r"^\[\d+/4\] (\S+) run (\d)/2: ok", process.stdout, re.M)
     assert order == [(name, repeat) for repeat in "12" for name in rows], process.stdout
     assert "\r" not in process.stdout and "\x1b" not in process.stdout
@@ -63,14 +105,12 @@ def test_repeats_interleave_and_a_sweep_scales_each_row_against_its_own_one_proc
         median = next(run for run in row["runs"] if run["train_seconds"] == row["train_seconds"])
         for key, result_key in SAME_AS_RESULT.items():
             assert row[key] == median[result_key], (name, key)
-        assert row["dev_samples"] == DEV_SAMPLES and row["precision"] == "fp32"
-    assert read_result(tmp_path / "ddp-n2")["world_size"] == 2
+        assert [json.loads((tmp_path / name / f"result-{repeat}.json").read_text())["train_seconds"]
+                for repeat in (1, 2)] == [run["train_seconds"] for run in row["runs"]]  # each launch's kept
     assert report["noise_floor"] == max(row["relative_spread"] for row in rows.values())
 
     ddp1, ddp2 = rows["ddp-n1"], rows["ddp-n2"]
     assert (ddp1["processes"], ddp2["processes"], ddp2["global_batch"]) == (1, 2, 64)  # weak scaling
-    cores = machine.usable_cores()
-    assert (ddp1["threads_per_process"], ddp2["threads_per_process"]) == (cores, max(1, cores // 2))
     assert ddp2["speedup"] is None  # no single row to compare with
     assert ddp2["speedup_vs_1_process"] == round(ddp2["samples_per_second"] / ddp1["samples_per_second"], 3)
     assert ddp2["scaling_efficiency"] == round(ddp2["speedup_vs_1_process"] / 2, 3)
@@ -133,24 +173,34 @@ def test_variants_stand_side_by_side_and_strategy_args_reach_only_their_strategy
     for row in rows.values():
         assert row["first_step_seconds"] > 0 and row["steady_samples_per_second"] > 0
         assert 0 < row["mfu_measured"] < 1 and row["mfu"] is None
+        # Each script's share of FLOPs on real tokens, its batches padded: the batch sweep's MFU columns.
+        assert row["step_shapes"] >= 1 and 0 < row["mfu_measured_real"] < row["mfu_measured"]
+        assert row["mfu_measured_real"] == pytest.approx(
+            row["mfu_measured"] * read_result(output / row["row"])["real_flops_share"], abs=1e-4)
     assert "Throughput against the limit:" in table and "- measured peak, cpu fp32: " in table
 
 
-def test_a_batch_sweep_runs_each_row_at_each_batch_and_charts_its_mfu(tmp_path):
-    """--batch-size 8,16: a row per batch size, each with its step shapes and MFU on the real tokens beside
-    MFU on those computed (a CPU: against the measured peak), and the chart's panel of MFU per batch."""
-    run([PYTHON, "benchmark.py", "--only", "single", "--batch-size", "8,16", "--max-steps", "4", *DATA,
-         "--output-dir", str(tmp_path)], env=CPU_ONLY, timeout=600)
-    report = load_report(tmp_path)
+def test_a_batch_sweep_runs_each_row_at_each_batch_and_charts_its_mfu(tmp_path, monkeypatch):
+    """--batch-size 8,16: a row per batch size, each launched at its batch, with its step shapes and MFU on
+    the real tokens beside MFU on those computed (a CPU: against the peak measured, here given), and the
+    chart's panel of MFU per batch. Its 2 launches answered in this process (answered_launches); a real
+    run's share of real tokens: the profiled run's rows (test_variants_stand_side_by_side_...)."""
+    launches = answered_launches(monkeypatch, [5.0, 4.0])
+    output = tmp_path / "out"
+    process = run_in_process(["benchmark.py", "--only", "single", "--batch-size", "8,16", "--max-steps", "4",
+                              *given_peaks(tmp_path), *DATA, "--output-dir", str(output)], env=CPU_ONLY)
+    assert process.returncode == 0, process.stderr
+    report = load_report(output)
     assert report["batch_sizes"] == [8, 16]
     rows = {row["row"]: row for row in report["rows"]}
     assert list(rows) == ["single-b8", "single-b16"]
-    for batch, row in zip((8, 16), rows.values()):
-        result = read_result(tmp_path / row["row"])
-        assert row["batch_per_process"] == result["batch_size_per_process"] == batch and row["step_shapes"] >= 1
+    table = (output / "benchmark.md").read_text(encoding="utf-8")
+    for batch, row, (name, command) in zip((8, 16), rows.values(), launches):
+        assert name == row["row"] and command[command.index("--batch-size") + 1] == str(batch)
+        assert command[command.index("--max-steps") + 1] == "4"
+        assert row["batch_per_process"] == batch and row["step_shapes"] >= 1
         assert 0 < row["mfu_measured_real"] < row["mfu_measured"]  # padding is computed, not real
-        assert row["mfu_measured_real"] == pytest.approx(row["mfu_measured"] * result["real_flops_share"], abs=1e-4)
-        table = (tmp_path / "benchmark.md").read_text(encoding="utf-8")
+        assert row["mfu_measured_real"] == pytest.approx(row["mfu_measured"] * row["real_flops_share"], abs=1e-4)
         assert f"| {row['mfu_measured_real']:.1%} ({row['mfu_measured']:.1%}) |" in table
     assert bench_report.batch_chart in bench_report.chart_panels(report)
     assert [len(points) for points in bench_report.sweep_points(report).values()] == [2]
@@ -161,8 +211,10 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     (tmp_path / "ddp").mkdir()
     (tmp_path / "ddp" / "result.json").write_text('{"train_seconds": 1.0}', encoding="utf-8")
     # Rank 1 exists only in the 2-process DDP run: the single-device run is untouched.
+    # With OMP_NUM_THREADS=1 exported, as torchrun sets it for several processes: the thread policy
+    # still gives the one process of single every usable core.
     process = run([PYTHON, "benchmark.py", "--only", "single,ddp", *DATA, "--output-dir", str(tmp_path)],
-                  env={**CPU_ONLY, "SUITE_FAIL_AT": "1:2"}, check=False, timeout=900)
+                  env={**CPU_ONLY, "SUITE_FAIL_AT": "1:2", "OMP_NUM_THREADS": "1"}, check=False, timeout=900)
 
     assert process.returncode == 1, process.stdout + process.stderr
     assert "not all rows succeeded: ddp" in process.stderr
@@ -170,6 +222,7 @@ def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
     single, ddp = report["rows"]
     assert report["all_succeeded"] is False
     assert single["status"] == "ok" and single["train_seconds"] == read_result(tmp_path / "single")["train_seconds"]
+    assert single["threads_per_process"] == machine.usable_cores()
     assert ddp["status"] == "failed"
     assert ddp["reason"] == ("exit status 1: error: rank 1 failed: RuntimeError: "
                              "failure injected by SUITE_FAIL_AT at step 2")
