@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from support import cli, files, flops, launch
+from instruments import flops
+from support import cli, files, launch
 
 from . import report
 from .options import not_runnable, script_options

@@ -1,9 +1,9 @@
 """Measurements beside the lesson, so that a reader of the training loop meets only the strategy:
 how many bytes of model state each process really holds against what the ZeRO formulas predict,
 how fast the steps ran against the device's limit (MFU), and where a step's time goes (--profile).
-Each is a `Callback`: the Trainer calls it at the named
-points of its loop, and it adds its fields to result.json. A file named in SUITE_CALLBACKS adds
-callbacks of its own to any script's run, without editing the script."""
+Each is a `Callback`: the Trainer calls it at the named points of its loop, and it adds its fields
+to result.json. A file named in SUITE_CALLBACKS adds callbacks of its own to any script's run,
+without editing the script."""
 import importlib.util
 import os
 import statistics
@@ -15,27 +15,26 @@ import torch
 from torch.profiler import ProfilerActivity, record_function
 from tqdm import tqdm
 
+from support.callbacks import Callback
+from support.errors import UserError
+from support.machine import reset_peak_memory, synchronize
+
 from . import flops, results, traffic
-from .callbacks import Callback
-from .errors import UserError
-from .machine import reset_peak_memory, synchronize
 
 
 class Progress(Callback):
     """What the loop did, counted beside it: its seconds (pauses taken out), steps, samples and
     tokens, and rank 0's progress bar."""
 
-    def __init__(self, trainer, first_step, bar=True):
-        self.strategy, self.step, self.samples, self.paused = trainer.strategy, first_step, 0, 0.0
+    def __init__(self, bar=True):
+        self.with_bar, self.samples, self.paused = bar, 0, 0.0
         self.seconds = None  # until the loop ends
         self.tokens = TokenCount()
+
+    def on_train_begin(self, trainer, first_step):
+        self.strategy, self.step = trainer.strategy, first_step
         self.bar = tqdm(total=trainer.total_steps(), initial=first_step, mininterval=1, dynamic_ncols=True,
-                        disable=not (bar and trainer.strategy.is_main))
-
-    def count_tokens(self, batch):
-        self.tokens.add(batch)
-
-    def on_train_begin(self, trainer):
+                        disable=not (self.with_bar and trainer.strategy.is_main))
         reset_peak_memory(self.strategy.device)
         synchronize(self.strategy.device)
         self.start = time.perf_counter()
@@ -52,7 +51,10 @@ class Progress(Callback):
         """Time the caller measured that was not training (the Hugging Face Trainer's evaluations)."""
         self.paused += seconds
 
-    def on_step_end(self, trainer, step):
+    def on_batch_loaded(self, trainer, batch):
+        self.tokens.add(batch)
+
+    def on_step_end(self, trainer, step, loss):
         self.step = step
         self.samples += trainer.train_loader.batch_sampler.samples_in_step(step)
         self.bar.update()
@@ -115,10 +117,12 @@ class ModelStateCount(Callback):
     DeepSpeed's reduce bucket) are not model state.
     """
 
-    def __init__(self, strategy, model, optimizer):
-        self.model, self.optimizer, self.steps, self.bytes, self.bytes_by_device = model, optimizer, 0, None, None
-        engine = getattr(strategy, "engine", None)
-        self.zero_optimizer = getattr(engine, "optimizer", None)  # DeepSpeed's
+    def __init__(self):
+        self.steps, self.bytes, self.bytes_by_device = 0, None, None
+
+    def on_train_begin(self, trainer, first_step):
+        self.model, self.optimizer = trainer.model, trainer.optimizer
+        self.zero_optimizer = getattr(getattr(trainer.strategy, "engine", None), "optimizer", None)  # DeepSpeed's
 
     def on_phase_begin(self, trainer, phase):
         if phase == "optimizer step":
@@ -201,8 +205,8 @@ class Throughput(Callback):
     so measuring adds no host sync to the loop but one, after the first step.
     """
 
-    def __init__(self, trainer):
-        self.device, self.args = trainer.strategy.device, trainer.args
+    def __init__(self, progress):
+        self.progress = progress
         self.first_step, self.compiled_graphs, self.cuda_graphs, self.compile_seconds = None, None, None, None
         # Per step after the first: its end mark, samples, token sums so far, and whether it compiled or recorded.
         self.marks, self.samples, self.token_sums, self.warming = [], [], [], []
@@ -222,23 +226,24 @@ class Throughput(Callback):
         recorded = cuda_graphs_recorded(self.device) if self.args.compile_mode == "reduce-overhead" else None
         return counters["stats"]["unique_graphs"], recorded
 
-    def on_train_begin(self, trainer):
+    def on_train_begin(self, trainer, first_step):
+        self.device, self.args = trainer.strategy.device, trainer.args
         synchronize(self.device)
         self.start = time.perf_counter()
         self.graphs = self.graphs_so_far()
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         graphs = self.graphs_so_far()
         if self.first_step is None:
             synchronize(self.device)
             self.first_seconds = time.perf_counter() - self.start
             self.first_step = step
-        # A profiler still on here recorded this step: callbacks after this one stop theirs (common.py's order).
+        # A profiler still on here recorded this step: callbacks after this one stop theirs (callbacks_for's order).
         self.warming.append(graphs != self.graphs or torch.autograd.profiler._is_profiler_enabled)
         self.graphs = graphs
         self.marks.append(self.mark())
         self.samples.append(trainer.train_loader.batch_sampler.samples_in_step(step))
-        self.token_sums.append(trainer.progress.tokens.sums.clone())  # no read back: a copy where they are
+        self.token_sums.append(self.progress.tokens.sums.clone())  # no read back: a copy where they are
 
     def on_train_end(self, trainer):
         synchronize(self.device)
@@ -401,24 +406,23 @@ class CollectiveBytes(Callback):
 
     WINDOW_STEPS = 3
 
-    def __init__(self, trainer, first_step, model):
-        self.world_size, self.model = trainer.strategy.world_size, model
+    def __init__(self, profile=None):
+        self.profile, self.started, self.from_profile = profile, False, False  # profile: the run's StepProfile
+
+    def on_train_begin(self, trainer, first_step):
+        self.world_size, self.model = trainer.strategy.world_size, trainer.model
         self.record, self.note = traffic.record_for(trainer.strategy)
         remaining = trainer.total_steps() - first_step
         self.start_after = first_step + (remaining > 1)  # after the first step, unless it is the only one
         self.stop_after = min(self.start_after + self.WINDOW_STEPS, first_step + remaining)
-        self.first_step, self.profile, self.started, self.from_profile = first_step, None, False, False
         if remaining < 1:
             self.record = None
-
-    def on_train_begin(self, trainer):
-        self.profile = next((c for c in trainer.callbacks if isinstance(c, StepProfile)), None)
         if isinstance(self.record, traffic.ProfilerRecord) and self.profile is not None:
             self.record, self.from_profile = None, True  # one profiler at a time: the step profile's records serve
-        if self.start_after == self.first_step:
+        if self.start_after == first_step:
             self.begin()
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         if step == self.start_after and not self.started:
             self.begin()
         elif step == self.stop_after and self.started:
@@ -444,22 +448,22 @@ class CollectiveBytes(Callback):
                                                   "ring_bytes": traffic.ring_total(sent, self.world_size)}
 
 
-# A Python file whose callbacks(trainer) returns more callbacks for the run: a measurement or a fault
-# added to any script without editing it. Unset in a plain run.
+# A Python file whose callbacks() returns more callbacks for the run: a measurement or a fault added to
+# any script without editing it. Unset in a plain run.
 EXTRA_CALLBACKS_ENV = "SUITE_CALLBACKS"
 
 
-def extra_callbacks(trainer):
-    """The callbacks of the file SUITE_CALLBACKS names, for `trainer` (none when it is unset)."""
+def extra_callbacks():
+    """The callbacks of the file SUITE_CALLBACKS names (none when it is unset)."""
     path = os.environ.get(EXTRA_CALLBACKS_ENV)
     if not path:
         return []
     if not Path(path).is_file():
-        raise UserError(f"{EXTRA_CALLBACKS_ENV}={path}: no such file (a Python file defining callbacks(trainer))")
+        raise UserError(f"{EXTRA_CALLBACKS_ENV}={path}: no such file (a Python file defining callbacks())")
     spec = importlib.util.spec_from_file_location("extra_callbacks", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.callbacks(trainer)
+    return module.callbacks()
 
 
 PHASES = ("data loading", "forward", "backward", "optimizer step")
@@ -479,17 +483,20 @@ class StepProfile(Callback):
     of the Horovod script's own.
     """
 
-    def __init__(self, trainer, steps, remaining_steps):
+    def __init__(self, steps):
+        self.steps, self.phase = steps, None  # the open range
+
+    def on_train_begin(self, trainer, first_step):
         self.device, self.output_dir = trainer.strategy.device, trainer.output_dir
-        self.steps = min(steps, remaining_steps)
+        self.world_size, remaining_steps = trainer.strategy.world_size, trainer.total_steps() - first_step
+        self.steps = min(self.steps, remaining_steps)
         warmup = min(WARMUP_STEPS, remaining_steps - self.steps)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         schedule = torch.profiler.schedule(wait=max(0, warmup - 1), warmup=min(1, warmup), active=self.steps,
                                             repeat=1)
         # With the shapes: the collectives' records then tell their bytes (CollectiveBytes).
         self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True)
-        self.phase = None  # the open range
-        self.world_size = trainer.strategy.world_size
+        self.profiler.start()
 
     def begin(self, name):
         self.end()
@@ -503,9 +510,6 @@ class StepProfile(Callback):
             self.phase.__exit__(None, None, None)
             self.phase = None
 
-    def on_train_begin(self, trainer):
-        self.profiler.start()
-
     def on_phase_begin(self, trainer, phase):
         if phase != "pause":
             self.begin(phase)
@@ -513,7 +517,7 @@ class StepProfile(Callback):
     def on_phase_end(self, trainer, phase):
         self.end()
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         self.profiler.step()
 
     def on_train_end(self, trainer):
