@@ -26,8 +26,7 @@ from tqdm import tqdm
 from support import checkpoints, cli, launch, models
 from support.errors import UserError
 from support.machine import computes_natively, set_threads, use_attention_without_plans, use_tf32
-
-LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
+from support.task import LABELS
 
 
 # ----------------------------------------------------------------------------- data
