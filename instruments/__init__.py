@@ -1,17 +1,14 @@
-"""The instruments beside the training loop: throughput and MFU (measure.py, flops.py), the model
-state, the bytes sent per step (traffic.py), the curves (curves.py), the step profile, and result.json
-with the printed report (results.py). The loop knows only the callback protocol (support/callbacks.py):
-a script hands it callbacks_for(args), and nothing below the scripts imports this package. Importing it
-imports no torch (the runner reads flops.py and traffic.py); callbacks_for does."""
+"""The instruments beside the training loop, as callbacks: throughput and MFU, model state, the step
+profile (measure.py, flops.py), bytes sent (traffic.py), curves, result.json and the report (results.py).
+Only the scripts import them; importing this package imports no torch (the runner reads flops, traffic)."""
 
 
 def callbacks_for(args, bar=True):
-    """The instruments every script hands its loop, in the order the loop calls them: the counts and
-    progress bar (without it where the caller has its own: `bar`), the model state, the throughput, the
-    curves, the bytes sent, any that SUITE_CALLBACKS names, the step profile with --profile, the report."""
+    """What every script hands its loop, in the order it calls them: the counts and progress bar (`bar`:
+    unless the caller has its own), the model state, the throughput, the curves, the bytes sent, any that
+    SUITE_CALLBACKS names, the step profile with --profile, the report."""
     from . import curves, measure, results
-    progress = measure.Progress(bar)
+    progress, profile = measure.Progress(bar), [measure.StepProfile(args.profile)] if args.profile else []
     throughput = measure.Throughput(progress)
-    profile = [measure.StepProfile(args.profile)] if args.profile else []
-    return [progress, measure.ModelStateCount(), throughput, curves.Curves(progress, throughput),
+    return [progress, measure.ModelStateCount(), throughput, curves.Curves(throughput),
             measure.CollectiveBytes(*profile), *measure.extra_callbacks(), *profile, results.Report(progress)]

@@ -26,20 +26,18 @@ class Curves(Callback):
     0 writes their events: a run stopped by a signal leaves the curves of every step up to its
     checkpoint, and a resumed run adds the steps after it beside them."""
 
-    def __init__(self, progress, throughput):
-        self.progress, self.throughput, self.writer = progress, throughput, None
-        self.step_losses, self.learning_rates, self.token_sums, self.losses = [], [], [], []
+    def __init__(self, throughput):
+        self.throughput, self.writer = throughput, None
+        self.step_losses, self.learning_rates, self.losses = [], [], []
 
     def on_train_begin(self, trainer, first_step):
         self.optimizer, self.first_step = trainer.optimizer, first_step
         self.directory = Path(trainer.output_dir) / TENSORBOARD_DIR
-        self.token_sums.append(self.progress.tokens.sums.clone())
 
     def on_step_end(self, trainer, step, loss):
         self.step_losses.append(loss)
         rate = self.optimizer.param_groups[0]["lr"]
         self.learning_rates.append(rate.detach().clone() if isinstance(rate, torch.Tensor) else rate)
-        self.token_sums.append(self.progress.tokens.sums.clone())  # counted on the CPU, from the batches
         if step % trainer.args.log_steps == 0:
             self.flush(trainer)
 
@@ -68,8 +66,8 @@ class Curves(Callback):
             return None
         peak, _ = flops.published_peak(torch.cuda.get_device_name(device), measure.compute_precision(trainer))
         config = trainer.strategy.unwrap(trainer.model).config
-        work = flops.training_flops(config, *(self.token_sums[index + 1] - self.token_sums[index])[
-            results.COMPUTED_SUMS].tolist())
+        sums = self.throughput.token_sums  # the sums before the first step, then after each
+        work = flops.training_flops(config, *(sums[index + 1] - sums[index])[results.COMPUTED_SUMS].tolist())
         return flops.mfu(work / seconds / len(trainer.strategy.gpus_in_use()), peak)
 
     def on_result(self, trainer, result):

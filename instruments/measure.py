@@ -1,9 +1,7 @@
 """Measurements beside the lesson, so that a reader of the training loop meets only the strategy:
 how many bytes of model state each process really holds against what the ZeRO formulas predict,
 how fast the steps ran against the device's limit (MFU), and where a step's time goes (--profile).
-Each is a `Callback`: the Trainer calls it at the named points of its loop, and it adds its fields
-to result.json. A file named in SUITE_CALLBACKS adds callbacks of its own to any script's run,
-without editing the script."""
+A file named in SUITE_CALLBACKS adds callbacks of its own to any script's run, without editing it."""
 import importlib.util
 import os
 import statistics
@@ -23,13 +21,14 @@ from . import flops, results, traffic
 
 
 class Progress(Callback):
-    """What the loop did, counted beside it: its seconds (pauses taken out), steps, samples and
-    tokens, and rank 0's progress bar."""
+    """What the loop did, counted beside it: its seconds (pauses taken out), steps, samples, what its
+    micro-batches held (count_tokens' sums, and their distinct shapes: each new one costs a GPU a plan,
+    a compilation or a graph), and rank 0's progress bar."""
 
     def __init__(self, bar=True):
-        self.with_bar, self.samples, self.paused = bar, 0, 0.0
+        self.with_bar, self.samples, self.paused, self.shapes = bar, 0, 0.0, set()
         self.seconds = None  # until the loop ends
-        self.tokens = TokenCount()
+        self.sums = torch.zeros(len(results.TOKEN_COUNTS), dtype=torch.float64)
 
     def on_train_begin(self, trainer, first_step):
         self.strategy, self.step = trainer.strategy, first_step
@@ -52,7 +51,9 @@ class Progress(Callback):
         self.paused += seconds
 
     def on_batch_loaded(self, trainer, batch):
-        self.tokens.add(batch)
+        counts = count_tokens(batch)  # where the batch is: the Trainer lesson's are on the GPU already
+        self.sums = self.sums.to(counts.device) + counts
+        self.shapes.add(tuple(batch["input_ids"].shape))
 
     def on_step_end(self, trainer, step, loss):
         self.step = step
@@ -65,30 +66,13 @@ class Progress(Callback):
         self.bar.close()
 
     def summary(self):
-        """Seconds, steps, samples and the whole job's tokens (summed over the processes: every
-        process calls this)."""
-        return {"seconds": self.seconds, "steps": self.step, "samples": self.samples,
-                **self.tokens.totals(self.strategy)}
-
-
-class TokenCount:
-    """What the training micro-batches of this process held: count_tokens' sums, and their distinct
-    shapes (each new one costs a GPU a plan, a compilation or a graph)."""
-
-    def __init__(self):
-        self.sums = torch.zeros(len(results.TOKEN_COUNTS), dtype=torch.float64)
-        self.shapes = set()
-
-    def add(self, batch):
-        counts = count_tokens(batch)  # where the batch is: the Trainer lesson's are on the GPU already
-        self.sums = self.sums.to(counts.device) + counts
-        self.shapes.add(tuple(batch["input_ids"].shape))
-
-    def totals(self, strategy):
-        """The whole job's sums by name, and its distinct step shapes (every process calls this)."""
+        """Seconds, steps, samples, and the whole job's sums by name and distinct step shapes (summed
+        over the processes: every process calls this)."""
+        strategy = self.strategy
         sums = strategy.reduce_mean(self.sums.to(strategy.device)).cpu() * strategy.world_size
         shapes = {tuple(shape) for part in strategy.gather_objects(sorted(self.shapes)) for shape in part}
-        return {**dict(zip(results.TOKEN_COUNTS, sums.tolist())), "step_shapes": len(shapes)}
+        return {"seconds": self.seconds, "steps": self.step, "samples": self.samples,
+                **dict(zip(results.TOKEN_COUNTS, sums.tolist())), "step_shapes": len(shapes)}
 
 
 def count_tokens(batch):
@@ -117,11 +101,8 @@ class ModelStateCount(Callback):
     DeepSpeed's reduce bucket) are not model state.
     """
 
-    def __init__(self):
-        self.steps, self.bytes, self.bytes_by_device = 0, None, None
-
     def on_train_begin(self, trainer, first_step):
-        self.model, self.optimizer = trainer.model, trainer.optimizer
+        self.model, self.optimizer, self.steps, self.bytes = trainer.model, trainer.optimizer, 0, None  # until counted
         self.zero_optimizer = getattr(getattr(trainer.strategy, "engine", None), "optimizer", None)  # DeepSpeed's
 
     def on_phase_begin(self, trainer, phase):
@@ -208,7 +189,7 @@ class Throughput(Callback):
     def __init__(self, progress):
         self.progress = progress
         self.first_step, self.compiled_graphs, self.cuda_graphs, self.compile_seconds = None, None, None, None
-        # Per step after the first: its end mark, samples, token sums so far, and whether it compiled or recorded.
+        # Per step: its end mark, samples, token sums so far (and before the first), whether it compiled or recorded.
         self.marks, self.samples, self.token_sums, self.warming = [], [], [], []
 
     def mark(self):
@@ -228,6 +209,7 @@ class Throughput(Callback):
 
     def on_train_begin(self, trainer, first_step):
         self.device, self.args = trainer.strategy.device, trainer.args
+        self.token_sums.append(self.progress.sums.clone())
         synchronize(self.device)
         self.start = time.perf_counter()
         self.graphs = self.graphs_so_far()
@@ -243,7 +225,7 @@ class Throughput(Callback):
         self.graphs = graphs
         self.marks.append(self.mark())
         self.samples.append(trainer.train_loader.batch_sampler.samples_in_step(step))
-        self.token_sums.append(self.progress.tokens.sums.clone())  # no read back: a copy where they are
+        self.token_sums.append(self.progress.sums.clone())  # no read back: a copy where they are
 
     def on_train_end(self, trainer):
         synchronize(self.device)
@@ -272,7 +254,7 @@ class Throughput(Callback):
         share is exact whatever the shapes of the steps left out."""
         sums = torch.stack(self.token_sums).cpu()[:, results.COMPUTED_SUMS]  # what the model computed
         steps = [k for k in range(1, len(self.marks)) if not self.warming[k]]
-        tokens = sum((sums[k] - sums[k - 1] for k in steps), torch.zeros(sums.shape[1], dtype=sums.dtype))
+        tokens = sum((sums[k + 1] - sums[k] for k in steps), torch.zeros(sums.shape[1], dtype=sums.dtype))
         share = flops.training_flops(config, *tokens.tolist()) / flops.training_flops(config, *sums[-1].tolist())
         return [self.step_seconds[k - 1] for k in steps], sum(self.samples[k] for k in steps), share
 

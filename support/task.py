@@ -5,7 +5,6 @@ from pathlib import Path
 from .files import read_json_object
 
 LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
-# The real model's architecture, from its published config.json: --model base-shape builds it offline.
 BASE_SHAPE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "models" / "chinese-bert-wwm-ext.json"
 
 

@@ -209,7 +209,7 @@ def test_steady_steps_are_those_that_compiled_no_graph_and_recorded_no_cuda_grap
     from instruments import flops
     args = SimpleNamespace(compile=True, compile_mode="reduce-overhead")
     lengths = [16, 16, 32, 32, 16, 16]
-    progress = SimpleNamespace(tokens=SimpleNamespace(sums=torch.zeros(6, dtype=torch.float64)))
+    progress = SimpleNamespace(sums=torch.zeros(6, dtype=torch.float64))
     trainer = SimpleNamespace(strategy=SimpleNamespace(device=torch.device("cpu")), args=args,
                               train_loader=SimpleNamespace(batch_sampler=SimpleNamespace(samples_in_step=lambda s: 8)))
     throughput = measure.Throughput(progress)
@@ -219,7 +219,7 @@ def test_steady_steps_are_those_that_compiled_no_graph_and_recorded_no_cuda_grap
     monkeypatch.setattr(throughput, "mark", lambda: next(ends))
     throughput.on_train_begin(trainer, 0)
     for step, length in enumerate(lengths, start=1):
-        progress.tokens.sums = progress.tokens.sums + torch.tensor([0, 0, 0, 8 * length, 8, 8 * length ** 2])
+        progress.sums = progress.sums + torch.tensor([0, 0, 0, 8 * length, 8, 8 * length ** 2])
         throughput.on_step_end(trainer, step, loss=None)
     throughput.on_train_end(trainer)
     config = SimpleNamespace(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_labels=6)
