@@ -142,7 +142,7 @@ def test_a_signal_after_the_last_step_lets_the_run_finish_its_evaluation_and_mod
     # Before training, cli.run's handlers, which end the run: here they note it.
     handlers = {number: signal.signal(number, lambda number, frame: fatal.append(number)) for number in STOP_SIGNALS}
     try:
-        callback.on_train_begin(trainer)
+        callback.on_train_begin(trainer, 0)
         callback.on_train_end(trainer)
         os.kill(os.getpid(), signal.SIGUSR1)  # during the final evaluation
         callback.on_result(trainer, {})
