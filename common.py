@@ -5,10 +5,10 @@ gradients, steps the optimizer, averages a loss and gathers predictions across p
 model its own way, and hands both to `Trainer`. Nothing in this file knows which strategy is running.
 Read it top to bottom: the data every process loads alike, the loop, then the Strategy it calls.
 The rest lives in support/, a module per duty (docs/architecture.md): cli (options), launch (ranks),
-machine (device, cores), models, checkpoints, results, measure (the callbacks beside the loop).
+machine (device, cores), models, checkpoints, callbacks (the points of the loop where a script's
+instruments, from instruments/, hook in).
 """
 import contextlib
-import copy
 import json
 import math
 import random
@@ -23,11 +23,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from support import checkpoints, cli, curves, launch, measure, models, results
+from support import checkpoints, cli, launch, models
 from support.errors import UserError
 from support.machine import computes_natively, set_threads, use_attention_without_plans, use_tf32
-
-LABELS = ["其他", "喜好", "悲伤", "厌恶", "愤怒", "高兴"]
+from support.task import LABELS
 
 
 # ----------------------------------------------------------------------------- data
@@ -298,11 +297,12 @@ def make_loaders(data, args, world_size=1, rank=0):
 
 class Run:
     """One training run as every script reports it: its options, strategy, model and data, the steps
-    it trains, the lines it prints and the result.json it writes. The Trainer is a Run that trains;
-    the Hugging Face script's Run reports what transformers.Trainer trained."""
+    it trains, the lines it prints and the callbacks it calls. The Trainer is a Run that trains; the
+    Hugging Face script's Run reports what transformers.Trainer trained."""
 
-    def __init__(self, args, strategy, model, data, loaders):
-        """`model` as the strategy wrapped it, `data` from load_data_and_model, `loaders` from make_loaders."""
+    def __init__(self, args, strategy, model, data, loaders, callbacks):
+        """`model` as the strategy wrapped it, `data` from load_data_and_model, `loaders` from make_loaders,
+        `callbacks` the script's (support/callbacks.py's protocol)."""
         self.args, self.strategy, self.model = args, strategy, model
         self.tokenizer, self.model_name, self.lr = data.tokenizer, data.model_name, data.lr
         self.train_loader, self.dev_loader = loaders
@@ -310,7 +310,7 @@ class Run:
         self.global_batch_size = self.train_loader.batch_sampler.global_batch_size  # samples per optimizer step
         self.threads = set_threads(args.threads, strategy.local_world_size)
         self.native_precision = computes_natively(strategy.precision, strategy.device)
-        self.callbacks = []
+        self.callbacks = list(callbacks)
 
     def epoch_steps(self):
         """Optimizer steps in --epochs epochs."""
@@ -324,30 +324,19 @@ class Run:
         if self.strategy.is_main:
             tqdm.write(message)
 
-    def write_result(self, progress, metrics, first_step):
-        """result.json, built here for every script: the run's fields, then each callback's own; rank
-        0 prints the report and writes the file."""
-        result = {**results.fields(self, progress, metrics), "resumed_from_step": first_step}
-        self.notify("on_result", result)
-        results.publish(self, result, metrics)
-        return result
-
-    def start_measurements(self, first_step, optimizer, wrapped=None, bar=True):
-        """The measurements of every script, as callbacks (the Hugging Face Trainer's events call them
-        too): the counts and progress bar, the model state, the throughput, the curves (TensorBoard's), the bytes sent,
-        and any that SUITE_CALLBACKS names. `wrapped`: the model as its library wrapped it, where this Run holds it
-        bare (the Hugging Face script's); the model state and SUITE_CALLBACKS' callbacks see that one."""
-        hooked = self
-        if wrapped is not None:
-            hooked = copy.copy(self)
-            hooked.model = wrapped
-        self.progress, throughput = measure.Progress(self, first_step, bar=bar), measure.Throughput(self)
-        self.callbacks = [self.progress, measure.ModelStateCount(self.strategy, hooked.model, optimizer),
-                          throughput, curves.Curves(self, optimizer, throughput, first_step),
-                          measure.CollectiveBytes(self, first_step, hooked.model), *measure.extra_callbacks(hooked)]
+    def announce(self):
+        """The first lines every script prints: what this run is."""
+        strategy = self.strategy
+        self.log(f"model: {self.model_name} ({models.parameter_count(self.model):,} parameters) | "
+                 f"learning rate: {self.lr:g} | processes: {strategy.world_size} | "
+                 f"global batch: {self.global_batch_size} | train samples: {len(self.train_loader.dataset)} | "
+                 f"dev samples: {len(self.dev_loader.dataset)} | threads per process: {self.threads}")
+        if not self.native_precision:
+            self.log(f"note: this {strategy.device.type} has no native {strategy.precision}: torch emulates it, "
+                     f"slower than fp32 here (where the hardware has it, mixed precision is faster)")
 
     def notify(self, point, *args):
-        """Call each callback's method for this point of the loop (measure.Callback names them)."""
+        """Call each callback's method for this point of the loop (support/callbacks.py names them)."""
         for callback in self.callbacks:
             getattr(callback, point)(self, *args)
 
@@ -355,50 +344,46 @@ class Run:
 class Trainer(Run):
     """The train / evaluate / save loop every strategy runs."""
 
-    def __init__(self, args, strategy, model, optimizer, data, loaders):
-        super().__init__(args, strategy, model, data, loaders)
+    def __init__(self, args, strategy, model, optimizer, data, loaders, callbacks):
+        super().__init__(args, strategy, model, data, loaders, callbacks)
         self.optimizer = optimizer
 
     def fit(self):
-        """Train, evaluate on dev, save the model (collectively where sharded), write result.json (rank 0)."""
-        results.announce(self)
+        """Train, evaluate on dev, save the model (collectively where sharded); the callbacks report."""
+        self.announce()
         checkpoints.check_free_space(self)
         first_step = checkpoints.resume(self)
-        # Callbacks beside the loop, called at its named points: every script's measurements, the step
-        # profile with --profile, and a checkpoint when a scheduler signals with --save-on-signal.
-        self.start_measurements(first_step, self.optimizer)
-        if self.args.profile:
-            self.callbacks.append(measure.StepProfile(self, self.args.profile, self.total_steps() - first_step))
+        # Callbacks beside the loop, called at its named points: the script's instruments, and a
+        # checkpoint when a scheduler signals with --save-on-signal.
         if self.args.save_on_signal:
             self.callbacks.append(checkpoints.SaveOnSignal())
-        progress = self.train(first_step)
+        last_loss = self.train(first_step)
         metrics = self.evaluate()
         if self.args.save_model:
             self.strategy.save_model(self.model, self.tokenizer, self.output_dir / "model")
-        return self.write_result(progress, metrics, first_step)
+        self.notify("on_fit_end", metrics, last_loss)
 
     def train(self, first_step=0):
-        """The training loop, from first_step (a checkpoint's); returns what it did: seconds, steps,
-        samples and tokens (self.progress counts them), and the last loss it logged."""
+        """The training loop, from first_step (a checkpoint's); returns the last loss it logged."""
         args, strategy, model = self.args, self.strategy, self.model
         loss_sum, steps_summed, last_loss = torch.zeros((), device=strategy.device), 0, float("nan")
         model.train()
-        self.notify("on_train_begin")
+        self.notify("on_train_begin", first_step)
         for epoch, step, micro_batches in self.optimizer_steps(first_step):
             # One optimizer step: the gradients of its micro-batches add up (--grad-accum), each
             # sample weighed by 1 / (samples in the step), then one update.
-            self.step_loss = torch.zeros((), device=strategy.device)  # this process's part of the step's loss
+            step_loss = torch.zeros((), device=strategy.device)  # this process's part of the step's loss
             for batch, last in micro_batches:
                 with strategy.accumulating(model, last=last):
                     with self.phase("forward"):
                         _, loss = self.forward(batch)
                     with self.phase("backward"):
                         strategy.backward(loss)
-                self.step_loss += loss.detach()
+                step_loss += loss.detach()
             with self.phase("optimizer step"):
                 strategy.step(model, self.optimizer)
-            loss_sum += self.step_loss
-            self.notify("on_step_end", step)
+            loss_sum += step_loss
+            self.notify("on_step_end", step, step_loss)
             steps_summed += 1
             if step % args.log_steps == 0 or step == self.total_steps():
                 # Reading the loss makes the CPU wait for the device (.item()) and the other
@@ -415,7 +400,7 @@ class Trainer(Run):
                 with self.phase("pause"):
                     self.evaluate_while_training(step)
         self.notify("on_train_end")
-        return {**self.progress.summary(), "last_loss": last_loss}
+        return last_loss
 
     def optimizer_steps(self, first_step):
         """Each optimizer step after first_step: its epoch, its number, and its micro-batches, each
@@ -433,7 +418,7 @@ class Trainer(Run):
         for index in range(count):
             with self.phase("data loading"):
                 batch = next(batches)
-                self.progress.count_tokens(batch)
+                self.notify("on_batch_loaded", batch)
                 batch = self.to_device(batch)
             yield batch, index == count - 1
 
@@ -467,7 +452,7 @@ class Trainer(Run):
         # Every process scores, though only rank 0 reports: a DDP process that left right after the
         # gather could free its gloo group while gloo's thread still waits for the GIL to free the
         # gather's tensors, and hang at exit.
-        return results.dev_metrics(predictions, labels, losses, LABELS)
+        return dev_metrics(predictions, labels, losses)
 
     def forward(self, batch):
         """Logits, and this process's part of the global batch's mean loss (weighted_loss)."""
@@ -623,6 +608,17 @@ def each_sample_once(indices, weights, *columns):
     real = weights > 0
     order = np.argsort(indices[real], kind="stable")
     return (indices[real][order], *(column[real][order] for column in columns))
+
+
+def dev_metrics(predictions, labels, losses):
+    """The dev metrics of every dev sample's prediction, label and loss, each sample once."""
+    from sklearn.metrics import accuracy_score, classification_report, f1_score  # 1.5 s to import: only here
+    return {"samples": len(labels), "loss": float(losses.mean()),
+            "accuracy": float(accuracy_score(labels, predictions)),
+            "macro_f1": float(f1_score(labels, predictions, average="macro", labels=range(len(LABELS)),
+                                       zero_division=0)),
+            "report": classification_report(labels, predictions, labels=range(len(LABELS)),
+                                            target_names=LABELS, digits=4, zero_division=0)}
 
 
 def check_every_dev_sample(indices, dev_size):

@@ -23,6 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 
 import common
+import instruments
 from support import checkpoints, cli, launch, machine, models
 
 
@@ -134,7 +135,7 @@ def main():
         #    optimizer (fp16 loss scaling).
         model, optimizer = accelerator.prepare(model, optimizer)
 
-        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         accelerator.end_training()

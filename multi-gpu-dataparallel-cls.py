@@ -16,6 +16,7 @@ import torch
 from torch.nn import DataParallel
 
 import common
+import instruments
 from support import cli, machine, models
 
 
@@ -96,7 +97,7 @@ def main():
 
     # [grad-accum] --grad-accum N works as on one device: the gradients of N micro-batches add up on the first
     #    GPU, where DataParallel gathers them anyway, and the optimizer steps once.
-    common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
+    common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
 
 
 if __name__ == "__main__":

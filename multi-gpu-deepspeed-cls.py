@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import instruments
 from libraries import deepspeed_setup
 from support import checkpoints, cli, launch, machine, models
 
@@ -176,7 +177,7 @@ def main():
         #    the same samples reach the same ranks in every script, each dev sample is evaluated once.
         loaders = common.make_loaders(data, args, world_size, rank)
 
-        common.Trainer(args, strategy, engine, optimizer, data, loaders).fit()
+        common.Trainer(args, strategy, engine, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import common
+import instruments
 from support import cli, launch, machine, models
 
 
@@ -72,7 +73,7 @@ def main():
         loaders = common.make_loaders(data, args, world_size, rank)
         optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
-        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 import common
+import instruments
 from support import cli, machine, models, spawn_setup
 
 
@@ -92,7 +93,7 @@ def train(args, rank, local_rank, first_failure):
         loaders = common.make_loaders(data, args, world_size, rank)
         optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
-        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
     except Exception:
         # [failure] Note the first rank to fail before leaving the group, which makes the others fail too:
         #    the parent then names the cause, not a rank that only lost its peer.

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 import common
+import instruments
 from libraries import fabric_setup
 from support import cli, launch, models
 
@@ -115,7 +116,7 @@ def main():
         loaders = common.Loaders(*fabric.setup_dataloaders(*loaders, use_distributed_sampler=False,
                                                            move_to_device=False))
 
-        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         #    (Fabric destroys only an NCCL group itself, at the interpreter's exit.)

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 import common
+import instruments
 from support import checkpoints, cli, launch, machine, models
 
 # The 16-bit type the sharded weights are gathered in for computing, for each --precision choice.
@@ -170,7 +171,7 @@ def main():
 
         # [backward] backward() reduce-scatters each layer's gradients as soon as they are computed,
         #    averaged over the processes, overlapping the communication with the layers below.
-        common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
+        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
     finally:
         # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
         dist.destroy_process_group()

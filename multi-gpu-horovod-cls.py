@@ -19,6 +19,7 @@ import horovod.torch as hvd
 import torch
 
 import common
+import instruments
 from support import cli, launch, machine, models
 
 
@@ -117,7 +118,7 @@ def main():
     #    which for AdamW decays the weights once and makes the first real update about a quarter smaller.
     optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
 
-    common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
+    common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ import torch.distributed as dist
 from transformers import TrainingArguments
 
 import common
+import instruments
 from libraries import transformers_setup
-from support import checkpoints, cli, launch, machine, models, results
+from support import checkpoints, cli, launch, machine, models
 
 
 def training_arguments(args, device, launched, own_group, deepspeed_config):
@@ -101,9 +102,9 @@ def main():
         loaders = common.make_loaders(data, args, world_size, rank)
 
         # What every script reports the same way (the thread policy, the printed lines, result.json)
-        # comes from the suite's Run; the Trainer trains.
-        run = common.Run(args, strategy, data.model, data, loaders)
-        results.announce(run)
+        # comes from the suite's Run and instruments (the bar is the Trainer's); the Trainer trains.
+        run = common.Run(args, strategy, data.model, data, loaders, instruments.callbacks_for(args, bar=False))
+        run.announce()
         training_args.max_steps = run.total_steps() if args.max_steps else -1  # --max-steps (-1: the epochs decide)
         train_evaluate_save(run, training_args, data)
     finally:
@@ -122,7 +123,6 @@ def train_evaluate_save(run, training_args, data):
         run, model=data.model, args=training_args, train_dataset=data.train_set, eval_dataset=data.dev_set,
         compute_metrics=functools.partial(transformers_setup.dev_metrics, dev_size=len(data.dev_set)))
     trainer.train()
-    progress = trainer.measurements.progress()
 
     # [evaluate] Trainer.evaluate runs the dev loader, gathers the logits (and our index and weight) from
     #    every process batch by batch, and hands them to compute_metrics (dev_metrics).
@@ -137,7 +137,7 @@ def train_evaluate_save(run, training_args, data):
         if run.strategy.is_main:
             checkpoints.save_model(trainer.accelerator.unwrap_model(trainer.model), data.tokenizer,
                                    run.output_dir / "model", state_dict=state_dict)
-    run.write_result(progress, metrics, 0)  # 0: no --resume here; the measurements: run.callbacks
+    run.notify("on_fit_end", metrics, trainer.measurements.last_loss)  # the instruments report
 
 
 if __name__ == "__main__":

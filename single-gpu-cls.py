@@ -7,6 +7,7 @@ Every other script in this suite is this one plus its strategy's steps: compare 
 `diff single-gpu-cls.py multi-gpu-distributed-cls.py`. Shared code: common.py, and the modules of docs/architecture.md.
 """
 import common
+import instruments
 from support import cli, machine, models
 
 
@@ -29,7 +30,7 @@ def main():
 
     # [grad-accum] With --grad-accum N the Trainer runs N micro-batches through forward and backward, whose
     #    gradients add up in .grad, then steps once: a batch N times what the device holds, for N times the compute.
-    common.Trainer(args, strategy, model, optimizer, data, loaders).fit()
+    common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
 
 
 if __name__ == "__main__":

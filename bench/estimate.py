@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from support import cli
+from support.task import LABELS, base_shape_config
 
 from .options import devices, script_data
 from .rows import ROOT, SCRIPT_BATCH_SIZE, SCRIPT_DEV_RATIO, SCRIPT_MAX_SAMPLES, STRATEGIES, relative
@@ -31,6 +32,11 @@ def bert_parameters(config, labels):
     layer = 4 * (hidden * hidden + hidden) + (hidden * inner + inner) + (inner * hidden + hidden) + 2 * layer_norm
     pooler, classifier = hidden * hidden + hidden, hidden * labels + labels
     return embeddings + layer_norm + config["num_hidden_layers"] * layer + pooler + classifier
+
+
+def real_size_parameters():
+    """base-shape's parameter count: BERT-base with a head for the task's labels."""
+    return bert_parameters(base_shape_config(), len(LABELS))
 
 
 def available_memory_bytes():
@@ -67,7 +73,7 @@ def time_one_step(args):
     from support import models
     batch_size = args.batch_size or SCRIPT_BATCH_SIZE
     texts = [text for text, _ in common.load_records(ROOT / "data" / "train.json")[:batch_size]]
-    tokenizer, model = models.build_base_shape_model(texts, 0, {"num_labels": len(common.LABELS)})
+    tokenizer, model = models.build_base_shape_model(texts, 0, {"num_labels": len(LABELS)})
     batch = tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
     labels = torch.zeros(len(texts), dtype=torch.long)
     optimizer = models.make_optimizer(model, 1e-4, 0.01)
@@ -99,9 +105,7 @@ def estimate_seconds(cells, step_seconds, args):
 
 def announce_real_size(args, cells):
     """Check the plan's memory, time a step, and say what the plan will take before it starts."""
-    import common
-    from support import models
-    parameters = bert_parameters(models.base_shape_config(), len(common.LABELS))
+    parameters = real_size_parameters()
     needed = check_memory(cells, parameters, available_memory_bytes())
     print(f"real size: {parameters:,} parameters; the largest launch needs about {needed / 2**30:.1f} GiB",
           flush=True)

@@ -7,7 +7,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from .estimate import bert_parameters
+from .estimate import real_size_parameters
 from .rows import ROOT, relative
 
 
@@ -98,7 +98,6 @@ def gpu_count():
 def choose_model(choice, gpus):
     """The model every strategy trains, resolved once, here, and said. Without --model: auto with
     GPUs; without them the tiny model, since eleven rows of the real BERT on a CPU take hours."""
-    import common
     from support import models
     model = models.resolve_model(choice or ("auto" if gpus else "tiny"))
     if model == "tiny":
@@ -110,7 +109,7 @@ def choose_model(choice, gpus):
             note += f"; chosen because {relative(models.LOCAL_MODEL_DIR)} is absent and the hub is unreachable"
         return model, note
     if model == "base-shape":
-        parameters = bert_parameters(models.base_shape_config(), len(common.LABELS))
+        parameters = real_size_parameters()
         return model, (f"the architecture of {models.HUB_MODEL_ID} (BERT-base, {parameters:,} parameters), "
                        f"{models.RANDOM_WEIGHTS_BANNER}")
     return model, None

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from support import cli, files, flops, launching
+from instruments import flops
+from support import cli, files, launching
 
 from . import report
 from .options import not_runnable, script_options

@@ -1,4 +1,4 @@
-"""The runner's tables of what each row sent (result.json's collective_bytes, support/traffic.py):
+"""The runner's tables of what each row sent (result.json's collective_bytes, instruments/traffic.py):
 the bytes per optimizer step by kind against the formula, and the step time they project to on more
 GPUs (a model, labelled as one). It measures only this machine's all-reduce (microbenchmarks/allreduce.py),
 which the projection's check at 2 and 3 processes needs: the rows have measured the rest."""
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import traffic
+from instruments import traffic
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,6 +3,7 @@ defaults set back to the suite's (its learning-rate decay, clipping, fused AdamW
 loss and loss averaging), the DeepSpeed config and the gloo group of CPU processes, the suite's
 printed lines and measurements taken from the Trainer's callbacks, and what the Trainer cannot do,
 refused in one line."""
+import copy
 import os
 from datetime import timedelta
 
@@ -12,7 +13,8 @@ from accelerate import PartialState
 from transformers import ProgressCallback, Trainer, TrainerCallback
 
 import common
-from support import cli, files, machine, measure, models, results
+from instruments import measure
+from support import cli, files, machine, models
 
 from . import deepspeed_setup
 
@@ -132,6 +134,9 @@ class TransformersStrategy(common.TorchDistributed):
         self.launcher, self.deepspeed_config = launcher, deepspeed_config
         self.engine = None  # the DeepSpeed engine, for measure.py's model-state count
 
+    def unwrap(self, model):
+        return getattr(model, "module", model)  # the Trainer's wrapper (DDP's, DeepSpeed's engine) or the model
+
     def reduce_mean(self, tensor):
         return super().reduce_mean(tensor) if self.world_size > 1 else tensor
 
@@ -231,14 +236,14 @@ class SuiteTrainer(Trainer):
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        self.run.progress.count_tokens(inputs)  # beside the lesson: tokens per sample for result.json
+        self.measurements.hooked.notify("on_batch_loaded", inputs)  # beside the lesson: tokens per sample
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.measurements.add_loss(loss)  # the micro-batch's part of the step's loss, for the curves
         return loss
 
 
 def dev_metrics(prediction, dev_size):
-    """compute_metrics: the suite's dev metrics (results.dev_metrics) over every dev sample once.
+    """compute_metrics: the suite's dev metrics (common.dev_metrics) over every dev sample once.
 
     `prediction.predictions` holds every process's logits, dataset indices and weights, gathered by
     the Trainer batch by batch. Its gather_for_metrics drops the repeats only of loaders Accelerate
@@ -249,7 +254,7 @@ def dev_metrics(prediction, dev_size):
                              reduction="none").numpy()
     indices, logits, labels, losses = common.each_sample_once(indices, weights, logits, prediction.label_ids, losses)
     common.check_every_dev_sample(indices, dev_size)
-    metrics = results.dev_metrics(logits.argmax(axis=-1), labels, losses, common.LABELS)
+    metrics = common.dev_metrics(logits.argmax(axis=-1), labels, losses)
     metrics["dev_loss"] = metrics.pop("loss")  # the Trainer writes its own eval_loss over this one
     return metrics
 
@@ -299,15 +304,17 @@ class SuiteLines(ProgressCallback):
 
 
 class Measurements(TrainerCallback):
-    """The suite's measurements (common.Run.start_measurements: measure.Progress, the model state, the
-    throughput, SUITE_CALLBACKS') called at the Trainer's events, as common.Trainer calls them from its
-    loop; beside them, what only this Trainer needs: its logged loss, its evaluations' seconds (not
-    training time), and DeepSpeed's gradient partitions for the model-state count."""
+    """The suite's instruments (the Run's callbacks, instruments.callbacks_for) called at the Trainer's
+    events, as common.Trainer calls them from its loop; beside them, what only this Trainer needs: its
+    logged loss, its evaluations' seconds (not training time), and DeepSpeed's gradient partitions for
+    the model-state count."""
 
     def __init__(self, trainer):
         self.trainer, self.run = trainer, trainer.run
-        self.last_loss, self.zero_partitions, self.model_state = float("nan"), [], None
+        self.last_loss, self.zero_partitions = float("nan"), []
         self.step_loss = 0.0  # this step's loss so far, kept on the device (the curves')
+        self.model_state = next(c for c in self.run.callbacks if isinstance(c, measure.ModelStateCount))
+        self.progress = next(c for c in self.run.callbacks if isinstance(c, measure.Progress))
 
     def add_loss(self, loss):
         self.step_loss = self.step_loss + loss  # a tensor from the step's first micro-batch on
@@ -321,11 +328,11 @@ class Measurements(TrainerCallback):
             # before any Trainer callback runs. ZeRO hands them to the torch optimizer, one parameter
             # group at a time, as fp32 gradients: seen there, and counted with the rest after the step.
             trainer.torch_optimizer.register_step_pre_hook(self.collect_zero_partitions)
-        # The model state and SUITE_CALLBACKS' callbacks see the model as the Trainer wrapped it (DDP's,
-        # DeepSpeed's engine); its progress bar is SuiteLines'.
-        self.run.start_measurements(0, trainer.torch_optimizer, wrapped=trainer.model_wrapped, bar=False)
-        self.model_state = next(c for c in self.run.callbacks if isinstance(c, measure.ModelStateCount))
-        self.run.notify("on_train_begin")
+        # The instruments see the model as the Trainer wrapped it (DDP's, DeepSpeed's engine) and the torch
+        # optimizer, in a copy of the Run (its callbacks are the Run's); the report, at the end, sees the Run.
+        self.hooked = copy.copy(self.run)
+        self.hooked.model, self.hooked.optimizer = trainer.model_wrapped, trainer.torch_optimizer
+        self.hooked.notify("on_train_begin", 0)
 
     def collect_zero_partitions(self, optimizer, args, kwargs):
         if self.model_state.bytes is None:  # a step fp16 skips (its gradients overflowed) never gets here
@@ -333,31 +340,27 @@ class Measurements(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if not self.trainer.is_deepspeed_enabled:  # counted before the second step, as common.Trainer does
-            self.run.notify("on_phase_begin", "optimizer step")
+            self.hooked.notify("on_phase_begin", "optimizer step")
         elif self.zero_partitions and self.model_state.bytes is None:  # after the engine's first update
             self.model_state.count(gradients=self.zero_partitions)
             self.zero_partitions = []
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if not self.trainer.is_deepspeed_enabled:
-            self.run.notify("on_phase_end", "optimizer step")
+            self.hooked.notify("on_phase_end", "optimizer step")
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.run.step_loss, self.step_loss = self.step_loss, 0.0
-        self.run.notify("on_step_end", state.global_step)
+        self.hooked.notify("on_step_end", state.global_step, self.step_loss)
+        self.step_loss = 0.0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in logs:
             self.last_loss = logs["loss"]
 
     def on_evaluate(self, args, state, control, **kwargs):
-        if self.run.progress.seconds is None and "eval_runtime" in kwargs.get("metrics", {}):
-            self.run.progress.add_pause(kwargs["metrics"]["eval_runtime"])  # --eval-steps: not training time
+        if self.progress.seconds is None and "eval_runtime" in kwargs.get("metrics", {}):
+            self.progress.add_pause(kwargs["metrics"]["eval_runtime"])  # --eval-steps: not training time
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if state.global_step == state.max_steps:  # before the Trainer's last log and clean-up
-            self.run.notify("on_train_end")
-
-    def progress(self):
-        """What common.Trainer.train returns, for common.Run.write_result."""
-        return {**self.run.progress.summary(), "last_loss": self.last_loss}
+            self.hooked.notify("on_train_end")

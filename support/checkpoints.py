@@ -235,14 +235,14 @@ class SaveOnSignal(Callback):
     def __init__(self):
         self.received = None
 
-    def on_train_begin(self, trainer):
+    def on_train_begin(self, trainer, first_step):
         for number in launch.STOP_SIGNALS:
             signal.signal(number, self.receive)
 
     def receive(self, number, frame):
         self.received = signal.Signals(number).name
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         strategy = trainer.strategy
         told = strategy.reduce_mean(torch.tensor(float(self.received is not None), device=strategy.device))
         if told.item() > 0:

@@ -16,12 +16,10 @@ from safetensors import SafetensorError
 
 from .cli import DEFAULT_LR, ROOT, check_max_seq_len
 from .errors import UserError
-from .files import read_json_object
+from .task import base_shape_config
 
 HUB_MODEL_ID = "hfl/chinese-bert-wwm-ext"
 LOCAL_MODEL_DIR = ROOT / "model_hub" / "chinese-bert-wwm-ext"
-# The real model's architecture, from its published config.json: --model base-shape builds it offline.
-BASE_SHAPE_CONFIG = ROOT / "configs" / "models" / "chinese-bert-wwm-ext.json"
 RANDOM_WEIGHTS_BANNER = "random weights: figures compare strategies, not models"
 
 transformers.logging.set_verbosity_error()
@@ -119,11 +117,6 @@ def build_tiny_model(train_texts, seed, config_overrides):
                                      num_attention_heads=2, intermediate_size=512, max_position_embeddings=512,
                                      **config_overrides)
     return randomly_initialised(vocab, config, seed)
-
-
-def base_shape_config():
-    """The architecture values of hfl/chinese-bert-wwm-ext's published config.json."""
-    return read_json_object(BASE_SHAPE_CONFIG, "model config")["config"]
 
 
 def build_base_shape_model(train_texts, seed, config_overrides):

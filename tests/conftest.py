@@ -145,7 +145,7 @@ def read_result(output_dir):
 
 
 def read_curves(output_dir):
-    """The scalars a run wrote for TensorBoard (support/curves.py), read back as TensorBoard reads them:
+    """The scalars a run wrote for TensorBoard (instruments/curves.py), read back as TensorBoard reads them:
     {tag: {step: value}}."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(Path(output_dir) / "tensorboard"), size_guidance={"scalars": 0})
@@ -174,7 +174,7 @@ STRAY_BYTES = 1024
 
 
 def assert_sends_what_its_formula_allows(result):
-    """Each kind of collective the run sent per step (result.json's collective_bytes, support/traffic.py)
+    """Each kind of collective the run sent per step (result.json's collective_bytes, instruments/traffic.py)
     carries at most what its strategy's formula allows (up to 1% of shard padding and STRAY_BYTES), and
     every kind the formula names ran, in full."""
     measured, allowed = result["collective_bytes"]["kinds"], result["collective_formula_bytes"]["kinds"]

@@ -8,7 +8,7 @@ import contextlib
 import os
 import time
 
-from support import measure
+from instruments import measure
 
 FAIL_AT_ENV = "SUITE_FAIL_AT"  # "RANK:STEP": that rank fails right after that optimizer step
 SLOW_AFTER_ENV = "SUITE_SLOW_AFTER"  # "STEP": rank 0 says "slow from here", then every step takes a second more
@@ -16,16 +16,14 @@ COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"  # count DDP's gradient all-redu
 WASTE_ENV = "SUITE_WASTE"  # "broadcast": a stray broadcast each step; "sync": accumulation that syncs every micro-batch
 
 
-def callbacks(trainer):
-    """The hooks this process's environment asks for, as callbacks of `trainer`."""
+def callbacks():
+    """The hooks this process's environment asks for, as callbacks (each sees the trainer as training begins)."""
     asked = [InjectedFailure()] if os.environ.get(FAIL_AT_ENV) else []
     asked += [SlowSteps(int(os.environ[SLOW_AFTER_ENV]))] if os.environ.get(SLOW_AFTER_ENV) else []
-    allreduces = gradient_allreduce_count(trainer.model) if os.environ.get(COUNT_ALLREDUCES_ENV) else None
+    asked += [GradientAllReduceCount()] if os.environ.get(COUNT_ALLREDUCES_ENV) else []
     waste = os.environ.get(WASTE_ENV, "").split(",")
-    if "sync" in waste:  # no no_sync(): the gradients are exchanged after every micro-batch, not once per step
-        trainer.strategy.accumulating = lambda model, last: contextlib.nullcontext()
-    asked += [StrayBroadcast()] if "broadcast" in waste else []
-    return asked + ([allreduces] if allreduces else [])
+    asked += [SyncEveryMicroBatch()] if "sync" in waste else []
+    return asked + ([StrayBroadcast()] if "broadcast" in waste else [])
 
 
 def fail_if_asked(rank, step):
@@ -39,7 +37,7 @@ class InjectedFailure(measure.Callback):
     """Fail right after the optimizer step SUITE_FAIL_AT names, counted as the Trainer counts them:
     from the checkpoint's step on --resume."""
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         fail_if_asked(trainer.strategy.rank, step)
 
 
@@ -50,7 +48,7 @@ class SlowSteps(measure.Callback):
     def __init__(self, after):
         self.after = after
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         if step == self.after and trainer.strategy.is_main:
             print(f"slow from step {step}", flush=True)
         if step >= self.after:
@@ -61,32 +59,37 @@ class StrayBroadcast(measure.Callback):
     """Rank 0's first weight broadcast to every process after each step, as a loop that re-syncs its
     weights would: a copy, so that training is unchanged and only the bytes sent grow."""
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         import torch.distributed as dist
         weight = next(trainer.model.parameters()).detach()
         dist.broadcast(measure.local(weight).clone(), src=0)
 
 
+class SyncEveryMicroBatch(measure.Callback):
+    """No no_sync(): the gradients are exchanged after every micro-batch, not once per step."""
+
+    def on_train_begin(self, trainer, first_step):
+        trainer.strategy.accumulating = lambda model, last: contextlib.nullcontext()
+
+
 class GradientAllReduceCount(measure.Callback):
     """How many gradient all-reduces DDP runs: one per gradient bucket per synchronised backward.
-    A communication hook that counts, then runs the same all-reduce DDP runs by default."""
+    A communication hook that counts, then runs the same all-reduce DDP runs by default; nothing where
+    the model is not DDP and wraps none (Fabric's module wraps its DDP)."""
 
-    def __init__(self, ddp):
+    def on_train_begin(self, trainer, first_step):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        self.calls, self.allreduce = 0, allreduce_hook
-        ddp.register_comm_hook(None, self.hook)
+        from torch.nn.parallel import DistributedDataParallel
+        ddp = next((module for module in trainer.model.modules() if isinstance(module, DistributedDataParallel)),
+                   None)
+        self.calls, self.allreduce = None if ddp is None else 0, allreduce_hook
+        if ddp is not None:
+            ddp.register_comm_hook(None, self.hook)
 
     def hook(self, process_group, bucket):
         self.calls += 1
         return self.allreduce(process_group, bucket)
 
     def on_result(self, trainer, result):
-        result["gradient_allreduces"] = self.calls
-
-
-def gradient_allreduce_count(model):
-    """A counter of DDP's gradient all-reduces when `model` is DDP or wraps it (Fabric's module wraps
-    its DDP), else None."""
-    from torch.nn.parallel import DistributedDataParallel
-    ddp = next((module for module in model.modules() if isinstance(module, DistributedDataParallel)), None)
-    return GradientAllReduceCount(ddp) if ddp is not None else None
+        if self.calls is not None:
+            result["gradient_allreduces"] = self.calls

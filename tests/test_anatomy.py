@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_sends_what_its_formula_allows, read_result
-from support import measure
+from instruments import measure
 
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
 
@@ -113,7 +113,8 @@ def test_a_one_step_run_counts_the_optimizer_state_its_step_created():
     the step) are counted after it, with the gradients counted before it (zero_grad frees them)."""
     model = torch.nn.Linear(256, 256)
     optimizer = torch.optim.AdamW(model.parameters())
-    count = measure.ModelStateCount(SimpleNamespace(), model, optimizer)
+    count = measure.ModelStateCount()
+    count.on_train_begin(SimpleNamespace(strategy=SimpleNamespace(), model=model, optimizer=optimizer), 0)
     model(torch.ones(2, 256)).sum().backward()
     count.on_phase_begin(None, "optimizer step")
     optimizer.step()

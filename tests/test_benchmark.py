@@ -737,11 +737,14 @@ def test_the_report_presents_from_the_report_alone():
 
 
 def test_the_runner_plans_without_torch():
-    """benchmark.py plans from cli.py and files.py alone: torch, and the modules that import it, load
-    only for the run (timing a step, describing the machine, resolving the model)."""
-    plan = ("import sys, benchmark; from bench import options; "
+    """benchmark.py plans from cli.py, files.py and task.py alone, --real-size's memory check included (the
+    task's labels, base-shape's config): torch, and the modules that import it, load only for the run
+    (timing a step, describing the machine, resolving the model)."""
+    plan = ("import sys, benchmark; from bench import estimate, options; "
             "cells = options.plan(options.parse_args(['--nprocs', '1,2'], gpus=0), gpus=0); "
-            "print(len(cells), sorted({'torch', 'common', 'machine', 'models'} & set(sys.modules)))")
+            "real = options.parse_args(['--real-size'], gpus=0); "
+            "estimate.check_memory(options.plan(real, gpus=0), estimate.real_size_parameters(), 2**50); "
+            "print(len(cells), sorted({'torch', 'common', 'support.machine', 'support.models'} & set(sys.modules)))")
     planned, loaded = run([PYTHON, "-c", plan]).stdout.split(maxsplit=1)
     assert int(planned) > 1 and loaded.strip() == "[]"
 

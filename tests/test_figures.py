@@ -135,7 +135,7 @@ def test_the_tiny_models_accuracy_range_is_the_committed_runs(rows):
 def test_the_sample_output_is_the_committed_single_row(run, rows):
     """docs/running.md shows the end of the committed `single` row's output: each line as results.py
     and the Trainer print it from that launch's result.json (the row's median run)."""
-    from support import results
+    from instruments import results
     single = rows["single"]
     folder = f"{run['output_dir']}/single"
     run = next(run for run in single["runs"] if run["train_seconds"] == single["train_seconds"])

@@ -12,7 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import ROOT, run_in_process, small_split
 
-from support import flops, models
+from instruments import flops
+from support import models
 
 LABELS = 6
 BASE_SHAPE_PARAMETERS = 102_272_262  # hfl/chinese-bert-wwm-ext with a 6-label head (tests/test_base_shape.py)
@@ -161,7 +162,7 @@ def test_matmul_peak_command_line_ends_with_json_and_refuses_tf32_on_cpu():
 def test_padding_per_sample_counts_the_real_samples_rows_only():
     """Two real texts of 3 and 5 tokens in a batch padded to 8, filled with two repeats of weight 0 (a
     short batch, --pad-to-multiple-of): 5 + 3 padding tokens over 2 samples; the repeats pad no sample."""
-    from support import measure, results
+    from instruments import measure, results
     mask = torch.tensor([[1] * 3 + [0] * 5, [1] * 5 + [0] * 3, [1] * 3 + [0] * 5, [1] * 3 + [0] * 5])
     batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "attention_mask": mask,
              "weight": torch.tensor([0.5, 0.5, 0.0, 0.0])}

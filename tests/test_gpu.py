@@ -92,7 +92,7 @@ def test_compiled_tf32_on_one_gpu_tracks_eager_fp32_and_reports_its_mfu(tmp_path
     """--compile --tf32: static shapes, a graph per padded length (a GPU pads to multiples of 16), the
     steps' pace against the GPU's published TF32 peak where flops.py knows the GPU, and the eager IEEE
     fp32 run's metrics within TF32's precision (10 mantissa bits in the products)."""
-    from support import flops
+    from instruments import flops
     run([PYTHON, "single-gpu-cls.py", *GPU, *EXACT, "--batch-size", "32", "--compile", "--tf32",
          "--output-dir", str(tmp_path)])
     result = assert_gpu_run(tmp_path, world_size=1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from libraries import deepspeed_setup
-from support import measure
+from instruments import measure
 from conftest import ROOT, run
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
@@ -56,8 +56,8 @@ def test_model_state_is_counted_per_device_and_only_the_gpu_part_leaves_the_gpu_
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(2, 512)).sum().backward()
     optimizer.step()
-    strategy = SimpleNamespace()  # no DeepSpeed engine
-    count = measure.ModelStateCount(strategy, model, optimizer)
+    count = measure.ModelStateCount()
+    count.on_train_begin(SimpleNamespace(strategy=SimpleNamespace(), model=model, optimizer=optimizer), 0)  # no engine
     count.count()
     whole = count.bytes["total"]
     assert count.bytes_by_device == {"cpu": whole} and whole >= 4 * 2**20
@@ -206,21 +206,21 @@ def test_steady_steps_are_those_that_compiled_no_graph_and_recorded_no_cuda_grap
     """Six steps of a compiled run replayed as CUDA graphs: the first compiles; the third meets a new
     shape and compiles it, the fourth records that shape's CUDA graph. The steady steps are the second,
     fifth and sixth alone: their seconds, samples and share of the FLOPs (each step its own shape)."""
-    from support import flops
+    from instruments import flops
     args = SimpleNamespace(compile=True, compile_mode="reduce-overhead")
     lengths = [16, 16, 32, 32, 16, 16]
-    progress = SimpleNamespace(tokens=SimpleNamespace(sums=torch.zeros(6, dtype=torch.float64)))
-    trainer = SimpleNamespace(strategy=SimpleNamespace(device=torch.device("cpu")), args=args, progress=progress,
+    progress = SimpleNamespace(sums=torch.zeros(6, dtype=torch.float64))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(device=torch.device("cpu")), args=args,
                               train_loader=SimpleNamespace(batch_sampler=SimpleNamespace(samples_in_step=lambda s: 8)))
-    throughput = measure.Throughput(trainer)
+    throughput = measure.Throughput(progress)
     graphs = iter([(0, 0), (1, 0), (1, 0), (2, 0), (2, 2), (2, 2), (2, 2), (2, 2)])  # begin, 6 steps, end
     ends = iter([10.0, 10.1, 15.1, 16.1, 16.2, 16.3])  # the steps' end marks: 0.1, 5 (compiling), 1 (recording) ...
     monkeypatch.setattr(throughput, "graphs_so_far", lambda: next(graphs))
     monkeypatch.setattr(throughput, "mark", lambda: next(ends))
-    throughput.on_train_begin(trainer)
+    throughput.on_train_begin(trainer, 0)
     for step, length in enumerate(lengths, start=1):
-        progress.tokens.sums = progress.tokens.sums + torch.tensor([0, 0, 0, 8 * length, 8, 8 * length ** 2])
-        throughput.on_step_end(trainer, step)
+        progress.sums = progress.sums + torch.tensor([0, 0, 0, 8 * length, 8, 8 * length ** 2])
+        throughput.on_step_end(trainer, step, loss=None)
     throughput.on_train_end(trainer)
     config = SimpleNamespace(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_labels=6)
     seconds, samples, share = throughput.steady(config)

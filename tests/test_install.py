@@ -11,7 +11,7 @@ from conftest import BIN, PYTHON, free_port, require, run
 pytestmark = pytest.mark.quick
 
 # The module each strategy's library is imported as, Horovod's PyTorch part included (its build), and
-# torch's TensorBoard writer (support/curves.py), which needs the tensorboard package.
+# torch's TensorBoard writer (instruments/curves.py), which needs the tensorboard package.
 LIBRARIES = ["torch", "transformers", "sklearn", "safetensors", "matplotlib", "accelerate", "deepspeed",
              "lightning_fabric", "horovod.torch", "torch.utils.tensorboard"]
 

@@ -142,7 +142,7 @@ def test_a_signal_after_the_last_step_lets_the_run_finish_its_evaluation_and_mod
     # Before training, cli.run's handlers, which end the run: here they note it.
     handlers = {number: signal.signal(number, lambda number, frame: fatal.append(number)) for number in STOP_SIGNALS}
     try:
-        callback.on_train_begin(trainer)
+        callback.on_train_begin(trainer, 0)
         callback.on_train_end(trainer)
         os.kill(os.getpid(), signal.SIGUSR1)  # during the final evaluation
         callback.on_result(trainer, {})
@@ -212,19 +212,19 @@ def test_extra_callbacks_come_only_from_the_file_suite_callbacks_names(monkeypat
     """A plain run has none; the tests' hooks are such a file, and the injected failure names its rank
     and step; a file that is not there is one line."""
     import hooks
-    from support import measure
+    from instruments import measure
     monkeypatch.delenv(measure.EXTRA_CALLBACKS_ENV)
-    assert measure.extra_callbacks(None) == []
+    assert measure.extra_callbacks() == []
     monkeypatch.setenv(measure.EXTRA_CALLBACKS_ENV, hooks.__file__)
     monkeypatch.setenv(hooks.FAIL_AT_ENV, "1:3")
-    failure, = measure.extra_callbacks(None)
-    failure.on_step_end(SimpleNamespace(strategy=SimpleNamespace(rank=0)), 3)
-    failure.on_step_end(SimpleNamespace(strategy=SimpleNamespace(rank=1)), 2)
+    failure, = measure.extra_callbacks()
+    failure.on_step_end(SimpleNamespace(strategy=SimpleNamespace(rank=0)), 3, loss=None)
+    failure.on_step_end(SimpleNamespace(strategy=SimpleNamespace(rank=1)), 2, loss=None)
     with pytest.raises(RuntimeError, match="^failure injected by SUITE_FAIL_AT at step 3$"):
-        failure.on_step_end(SimpleNamespace(strategy=SimpleNamespace(rank=1)), 3)
+        failure.on_step_end(SimpleNamespace(strategy=SimpleNamespace(rank=1)), 3, loss=None)
     monkeypatch.setenv(measure.EXTRA_CALLBACKS_ENV, str(tmp_path / "nowhere.py"))
     with pytest.raises(cli.UserError, match="nowhere.py: no such file"):
-        measure.extra_callbacks(None)
+        measure.extra_callbacks()
 
 
 @pytest.mark.parametrize("script", ["multi-gpu-distributed-mp-cls.py", "multi-gpu-distributed-mp-amp-cls.py"])

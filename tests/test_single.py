@@ -4,7 +4,8 @@ import torch
 import transformers
 
 import common
-from support import cli, flops, models
+from instruments import flops
+from support import cli, models
 from conftest import (DEV_SAMPLES, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
                       read_curves, read_result, run, run_in_process, small_split)
 

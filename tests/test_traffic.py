@@ -1,4 +1,4 @@
-"""What each strategy sends (support/traffic.py): the byte checks catch a strategy that sends more
+"""What each strategy sends (instruments/traffic.py): the byte checks catch a strategy that sends more
 than its formula allows. Every strategy's own check folds into the launch that already runs it: 2
 processes in test_grad_accum.py, test_anatomy.py, test_fsdp.py, test_horovod.py and test_deepspeed.py,
 3 in test_equivalence.py (conftest.assert_sends_what_its_formula_allows)."""

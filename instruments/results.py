@@ -1,15 +1,18 @@
 """The result of a run: result.json's fields, and the report every script prints at the end, the
-same whichever strategy ran."""
+same whichever strategy ran, built by the last of its instruments (Report)."""
 import sys
 from pathlib import Path
 
 import torch
 import transformers
 
-from . import launch, traffic
-from .files import write_json
-from .machine import device_description, peak_memory_mb
-from .models import parameter_count
+from support import launch
+from support.callbacks import Callback
+from support.files import write_json
+from support.machine import device_description, peak_memory_mb
+from support.models import parameter_count
+
+from . import traffic
 
 
 # measure.count_tokens' sums, in its order: flops.py's three over the real samples at their own lengths,
@@ -21,35 +24,24 @@ TOKEN_COUNTS = REAL_COUNTS + COMPUTED_COUNTS + ("real_rows_tokens",)
 COMPUTED_SUMS = slice(len(REAL_COUNTS), len(REAL_COUNTS + COMPUTED_COUNTS))  # the sums flops.py reads, computed
 
 
-def publish(trainer, result, metrics):
-    """Rank 0 prints the report and writes <output-dir>/result.json."""
-    if trainer.strategy.is_main:
-        report(trainer, result, metrics)
-        write_json(trainer.output_dir / "result.json", result)
+class Report(Callback):
+    """result.json, built here for every script once it has trained, evaluated and saved: the run's
+    fields, then each callback's own (on_result); rank 0 prints the report and writes the file."""
 
+    def __init__(self, progress):
+        self.progress = progress
 
-def announce(trainer):
-    """The first lines every script prints: what this run is."""
-    strategy = trainer.strategy
-    trainer.log(f"model: {trainer.model_name} ({parameter_count(trainer.model):,} parameters) | "
-                f"learning rate: {trainer.lr:g} | processes: {strategy.world_size} | "
-                f"global batch: {trainer.global_batch_size} | "
-                f"train samples: {len(trainer.train_loader.dataset)} | dev samples: {len(trainer.dev_loader.dataset)} | "
-                f"threads per process: {trainer.threads}")
-    if not trainer.native_precision:
-        trainer.log(f"note: this {strategy.device.type} has no native {strategy.precision}: torch emulates it, "
-                    f"slower than fp32 here (where the hardware has it, mixed precision is faster)")
+    def on_train_begin(self, trainer, first_step):
+        self.first_step = first_step
 
-
-def dev_metrics(predictions, labels, losses, label_names):
-    """The dev metrics of every dev sample's prediction, label and loss, each sample once."""
-    from sklearn.metrics import accuracy_score, classification_report, f1_score  # 1.5 s to import: only here
-    return {"samples": len(labels), "loss": float(losses.mean()),
-            "accuracy": float(accuracy_score(labels, predictions)),
-            "macro_f1": float(f1_score(labels, predictions, average="macro", labels=range(len(label_names)),
-                                       zero_division=0)),
-            "report": classification_report(labels, predictions, labels=range(len(label_names)),
-                                            target_names=label_names, digits=4, zero_division=0)}
+    def on_fit_end(self, trainer, metrics, last_loss):
+        summary = {**self.progress.summary(), "last_loss": last_loss}  # every process: a collective
+        result = {**fields(trainer, summary, metrics), "resumed_from_step": self.first_step}
+        for callback in trainer.callbacks:
+            callback.on_result(trainer, result)
+        if trainer.strategy.is_main:
+            report(trainer, result, metrics)
+            write_json(trainer.output_dir / "result.json", result)
 
 
 def fields(trainer, progress, metrics):

@@ -1,9 +1,7 @@
 """Measurements beside the lesson, so that a reader of the training loop meets only the strategy:
 how many bytes of model state each process really holds against what the ZeRO formulas predict,
 how fast the steps ran against the device's limit (MFU), and where a step's time goes (--profile).
-Each is a `Callback`: the Trainer calls it at the named
-points of its loop, and it adds its fields to result.json. A file named in SUITE_CALLBACKS adds
-callbacks of its own to any script's run, without editing the script."""
+A file named in SUITE_CALLBACKS adds callbacks of its own to any script's run, without editing it."""
 import importlib.util
 import os
 import statistics
@@ -15,27 +13,27 @@ import torch
 from torch.profiler import ProfilerActivity, record_function
 from tqdm import tqdm
 
+from support.callbacks import Callback
+from support.errors import UserError
+from support.machine import reset_peak_memory, synchronize
+
 from . import flops, results, traffic
-from .callbacks import Callback
-from .errors import UserError
-from .machine import reset_peak_memory, synchronize
 
 
 class Progress(Callback):
-    """What the loop did, counted beside it: its seconds (pauses taken out), steps, samples and
-    tokens, and rank 0's progress bar."""
+    """What the loop did, counted beside it: its seconds (pauses taken out), steps, samples, what its
+    micro-batches held (count_tokens' sums, and their distinct shapes: each new one costs a GPU a plan,
+    a compilation or a graph), and rank 0's progress bar."""
 
-    def __init__(self, trainer, first_step, bar=True):
-        self.strategy, self.step, self.samples, self.paused = trainer.strategy, first_step, 0, 0.0
+    def __init__(self, bar=True):
+        self.with_bar, self.samples, self.paused, self.shapes = bar, 0, 0.0, set()
         self.seconds = None  # until the loop ends
-        self.tokens = TokenCount()
+        self.sums = torch.zeros(len(results.TOKEN_COUNTS), dtype=torch.float64)
+
+    def on_train_begin(self, trainer, first_step):
+        self.strategy, self.step = trainer.strategy, first_step
         self.bar = tqdm(total=trainer.total_steps(), initial=first_step, mininterval=1, dynamic_ncols=True,
-                        disable=not (bar and trainer.strategy.is_main))
-
-    def count_tokens(self, batch):
-        self.tokens.add(batch)
-
-    def on_train_begin(self, trainer):
+                        disable=not (self.with_bar and trainer.strategy.is_main))
         reset_peak_memory(self.strategy.device)
         synchronize(self.strategy.device)
         self.start = time.perf_counter()
@@ -52,7 +50,12 @@ class Progress(Callback):
         """Time the caller measured that was not training (the Hugging Face Trainer's evaluations)."""
         self.paused += seconds
 
-    def on_step_end(self, trainer, step):
+    def on_batch_loaded(self, trainer, batch):
+        counts = count_tokens(batch)  # where the batch is: the Trainer lesson's are on the GPU already
+        self.sums = self.sums.to(counts.device) + counts
+        self.shapes.add(tuple(batch["input_ids"].shape))
+
+    def on_step_end(self, trainer, step, loss):
         self.step = step
         self.samples += trainer.train_loader.batch_sampler.samples_in_step(step)
         self.bar.update()
@@ -63,30 +66,13 @@ class Progress(Callback):
         self.bar.close()
 
     def summary(self):
-        """Seconds, steps, samples and the whole job's tokens (summed over the processes: every
-        process calls this)."""
-        return {"seconds": self.seconds, "steps": self.step, "samples": self.samples,
-                **self.tokens.totals(self.strategy)}
-
-
-class TokenCount:
-    """What the training micro-batches of this process held: count_tokens' sums, and their distinct
-    shapes (each new one costs a GPU a plan, a compilation or a graph)."""
-
-    def __init__(self):
-        self.sums = torch.zeros(len(results.TOKEN_COUNTS), dtype=torch.float64)
-        self.shapes = set()
-
-    def add(self, batch):
-        counts = count_tokens(batch)  # where the batch is: the Trainer lesson's are on the GPU already
-        self.sums = self.sums.to(counts.device) + counts
-        self.shapes.add(tuple(batch["input_ids"].shape))
-
-    def totals(self, strategy):
-        """The whole job's sums by name, and its distinct step shapes (every process calls this)."""
+        """Seconds, steps, samples, and the whole job's sums by name and distinct step shapes (summed
+        over the processes: every process calls this)."""
+        strategy = self.strategy
         sums = strategy.reduce_mean(self.sums.to(strategy.device)).cpu() * strategy.world_size
         shapes = {tuple(shape) for part in strategy.gather_objects(sorted(self.shapes)) for shape in part}
-        return {**dict(zip(results.TOKEN_COUNTS, sums.tolist())), "step_shapes": len(shapes)}
+        return {"seconds": self.seconds, "steps": self.step, "samples": self.samples,
+                **dict(zip(results.TOKEN_COUNTS, sums.tolist())), "step_shapes": len(shapes)}
 
 
 def count_tokens(batch):
@@ -115,10 +101,9 @@ class ModelStateCount(Callback):
     DeepSpeed's reduce bucket) are not model state.
     """
 
-    def __init__(self, strategy, model, optimizer):
-        self.model, self.optimizer, self.steps, self.bytes, self.bytes_by_device = model, optimizer, 0, None, None
-        engine = getattr(strategy, "engine", None)
-        self.zero_optimizer = getattr(engine, "optimizer", None)  # DeepSpeed's
+    def on_train_begin(self, trainer, first_step):
+        self.model, self.optimizer, self.steps, self.bytes = trainer.model, trainer.optimizer, 0, None  # until counted
+        self.zero_optimizer = getattr(getattr(trainer.strategy, "engine", None), "optimizer", None)  # DeepSpeed's
 
     def on_phase_begin(self, trainer, phase):
         if phase == "optimizer step":
@@ -201,10 +186,10 @@ class Throughput(Callback):
     so measuring adds no host sync to the loop but one, after the first step.
     """
 
-    def __init__(self, trainer):
-        self.device, self.args = trainer.strategy.device, trainer.args
+    def __init__(self, progress):
+        self.progress = progress
         self.first_step, self.compiled_graphs, self.cuda_graphs, self.compile_seconds = None, None, None, None
-        # Per step after the first: its end mark, samples, token sums so far, and whether it compiled or recorded.
+        # Per step: its end mark, samples, token sums so far (and before the first), whether it compiled or recorded.
         self.marks, self.samples, self.token_sums, self.warming = [], [], [], []
 
     def mark(self):
@@ -222,23 +207,25 @@ class Throughput(Callback):
         recorded = cuda_graphs_recorded(self.device) if self.args.compile_mode == "reduce-overhead" else None
         return counters["stats"]["unique_graphs"], recorded
 
-    def on_train_begin(self, trainer):
+    def on_train_begin(self, trainer, first_step):
+        self.device, self.args = trainer.strategy.device, trainer.args
+        self.token_sums.append(self.progress.sums.clone())
         synchronize(self.device)
         self.start = time.perf_counter()
         self.graphs = self.graphs_so_far()
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         graphs = self.graphs_so_far()
         if self.first_step is None:
             synchronize(self.device)
             self.first_seconds = time.perf_counter() - self.start
             self.first_step = step
-        # A profiler still on here recorded this step: callbacks after this one stop theirs (common.py's order).
+        # A profiler still on here recorded this step: callbacks after this one stop theirs (callbacks_for's order).
         self.warming.append(graphs != self.graphs or torch.autograd.profiler._is_profiler_enabled)
         self.graphs = graphs
         self.marks.append(self.mark())
         self.samples.append(trainer.train_loader.batch_sampler.samples_in_step(step))
-        self.token_sums.append(trainer.progress.tokens.sums.clone())  # no read back: a copy where they are
+        self.token_sums.append(self.progress.sums.clone())  # no read back: a copy where they are
 
     def on_train_end(self, trainer):
         synchronize(self.device)
@@ -267,7 +254,7 @@ class Throughput(Callback):
         share is exact whatever the shapes of the steps left out."""
         sums = torch.stack(self.token_sums).cpu()[:, results.COMPUTED_SUMS]  # what the model computed
         steps = [k for k in range(1, len(self.marks)) if not self.warming[k]]
-        tokens = sum((sums[k] - sums[k - 1] for k in steps), torch.zeros(sums.shape[1], dtype=sums.dtype))
+        tokens = sum((sums[k + 1] - sums[k] for k in steps), torch.zeros(sums.shape[1], dtype=sums.dtype))
         share = flops.training_flops(config, *tokens.tolist()) / flops.training_flops(config, *sums[-1].tolist())
         return [self.step_seconds[k - 1] for k in steps], sum(self.samples[k] for k in steps), share
 
@@ -401,24 +388,23 @@ class CollectiveBytes(Callback):
 
     WINDOW_STEPS = 3
 
-    def __init__(self, trainer, first_step, model):
-        self.world_size, self.model = trainer.strategy.world_size, model
+    def __init__(self, profile=None):
+        self.profile, self.started, self.from_profile = profile, False, False  # profile: the run's StepProfile
+
+    def on_train_begin(self, trainer, first_step):
+        self.world_size, self.model = trainer.strategy.world_size, trainer.model
         self.record, self.note = traffic.record_for(trainer.strategy)
         remaining = trainer.total_steps() - first_step
         self.start_after = first_step + (remaining > 1)  # after the first step, unless it is the only one
         self.stop_after = min(self.start_after + self.WINDOW_STEPS, first_step + remaining)
-        self.first_step, self.profile, self.started, self.from_profile = first_step, None, False, False
         if remaining < 1:
             self.record = None
-
-    def on_train_begin(self, trainer):
-        self.profile = next((c for c in trainer.callbacks if isinstance(c, StepProfile)), None)
         if isinstance(self.record, traffic.ProfilerRecord) and self.profile is not None:
             self.record, self.from_profile = None, True  # one profiler at a time: the step profile's records serve
-        if self.start_after == self.first_step:
+        if self.start_after == first_step:
             self.begin()
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         if step == self.start_after and not self.started:
             self.begin()
         elif step == self.stop_after and self.started:
@@ -444,22 +430,22 @@ class CollectiveBytes(Callback):
                                                   "ring_bytes": traffic.ring_total(sent, self.world_size)}
 
 
-# A Python file whose callbacks(trainer) returns more callbacks for the run: a measurement or a fault
-# added to any script without editing it. Unset in a plain run.
+# A Python file whose callbacks() returns more callbacks for the run: a measurement or a fault added to
+# any script without editing it. Unset in a plain run.
 EXTRA_CALLBACKS_ENV = "SUITE_CALLBACKS"
 
 
-def extra_callbacks(trainer):
-    """The callbacks of the file SUITE_CALLBACKS names, for `trainer` (none when it is unset)."""
+def extra_callbacks():
+    """The callbacks of the file SUITE_CALLBACKS names (none when it is unset)."""
     path = os.environ.get(EXTRA_CALLBACKS_ENV)
     if not path:
         return []
     if not Path(path).is_file():
-        raise UserError(f"{EXTRA_CALLBACKS_ENV}={path}: no such file (a Python file defining callbacks(trainer))")
+        raise UserError(f"{EXTRA_CALLBACKS_ENV}={path}: no such file (a Python file defining callbacks())")
     spec = importlib.util.spec_from_file_location("extra_callbacks", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.callbacks(trainer)
+    return module.callbacks()
 
 
 PHASES = ("data loading", "forward", "backward", "optimizer step")
@@ -479,17 +465,20 @@ class StepProfile(Callback):
     of the Horovod script's own.
     """
 
-    def __init__(self, trainer, steps, remaining_steps):
+    def __init__(self, steps):
+        self.steps, self.phase = steps, None  # the open range
+
+    def on_train_begin(self, trainer, first_step):
         self.device, self.output_dir = trainer.strategy.device, trainer.output_dir
-        self.steps = min(steps, remaining_steps)
+        self.world_size, remaining_steps = trainer.strategy.world_size, trainer.total_steps() - first_step
+        self.steps = min(self.steps, remaining_steps)
         warmup = min(WARMUP_STEPS, remaining_steps - self.steps)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         schedule = torch.profiler.schedule(wait=max(0, warmup - 1), warmup=min(1, warmup), active=self.steps,
                                             repeat=1)
         # With the shapes: the collectives' records then tell their bytes (CollectiveBytes).
         self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True)
-        self.phase = None  # the open range
-        self.world_size = trainer.strategy.world_size
+        self.profiler.start()
 
     def begin(self, name):
         self.end()
@@ -503,9 +492,6 @@ class StepProfile(Callback):
             self.phase.__exit__(None, None, None)
             self.phase = None
 
-    def on_train_begin(self, trainer):
-        self.profiler.start()
-
     def on_phase_begin(self, trainer, phase):
         if phase != "pause":
             self.begin(phase)
@@ -513,7 +499,7 @@ class StepProfile(Callback):
     def on_phase_end(self, trainer, phase):
         self.end()
 
-    def on_step_end(self, trainer, step):
+    def on_step_end(self, trainer, step, loss):
         self.profiler.step()
 
     def on_train_end(self, trainer):

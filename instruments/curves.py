@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
+from support.callbacks import Callback
+
 from . import flops, measure, results
-from .callbacks import Callback
 
 TENSORBOARD_DIR = "tensorboard"
 EVENT_FILES = "events.out.tfevents.*"
@@ -19,26 +20,24 @@ class Curves(Callback):
     (Throughput's marks: the first step's includes its one-time costs) and, where the GPU's peak is
     published, its MFU (rank 0's FLOPs for the step, from the shapes it computed, over its seconds).
 
-    The loop reads the loss only on logging steps, a host sync; here each step's loss (the loop's
-    `step_loss`, this process's part, a new tensor each step) stays on the device until the next
+    The loop reads the loss only on logging steps, a host sync; here each step's loss (on_step_end's,
+    this process's part, a new tensor each step) stays on the device until the next
     logging step, checkpoint or the end of training, where the processes average them at once and rank
     0 writes their events: a run stopped by a signal leaves the curves of every step up to its
     checkpoint, and a resumed run adds the steps after it beside them."""
 
-    def __init__(self, trainer, optimizer, throughput, first_step):
-        self.optimizer, self.throughput, self.first_step = optimizer, throughput, first_step
-        self.step_losses, self.learning_rates, self.token_sums, self.losses = [], [], [], []
+    def __init__(self, throughput):
+        self.throughput, self.writer = throughput, None
+        self.step_losses, self.learning_rates, self.losses = [], [], []
+
+    def on_train_begin(self, trainer, first_step):
+        self.optimizer, self.first_step = trainer.optimizer, first_step
         self.directory = Path(trainer.output_dir) / TENSORBOARD_DIR
-        self.writer = None
 
-    def on_train_begin(self, trainer):
-        self.token_sums.append(trainer.progress.tokens.sums.clone())
-
-    def on_step_end(self, trainer, step):
-        self.step_losses.append(trainer.step_loss)
+    def on_step_end(self, trainer, step, loss):
+        self.step_losses.append(loss)
         rate = self.optimizer.param_groups[0]["lr"]
         self.learning_rates.append(rate.detach().clone() if isinstance(rate, torch.Tensor) else rate)
-        self.token_sums.append(trainer.progress.tokens.sums.clone())  # counted on the CPU, from the batches
         if step % trainer.args.log_steps == 0:
             self.flush(trainer)
 
@@ -67,8 +66,8 @@ class Curves(Callback):
             return None
         peak, _ = flops.published_peak(torch.cuda.get_device_name(device), measure.compute_precision(trainer))
         config = trainer.strategy.unwrap(trainer.model).config
-        work = flops.training_flops(config, *(self.token_sums[index + 1] - self.token_sums[index])[
-            results.COMPUTED_SUMS].tolist())
+        sums = self.throughput.token_sums  # the sums before the first step, then after each
+        work = flops.training_flops(config, *(sums[index + 1] - sums[index])[results.COMPUTED_SUMS].tolist())
         return flops.mfu(work / seconds / len(trainer.strategy.gpus_in_use()), peak)
 
     def on_result(self, trainer, result):
