@@ -16,7 +16,7 @@ import torch
 from torch.nn import DataParallel
 
 import common
-from support import cli, machine, models
+from support import cli, machine, models, options
 
 
 class DataParallelStrategy(common.Strategy):
@@ -59,9 +59,9 @@ def choose_gpus(args):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
+    parser = options.build_parser(__file__, __doc__)
     parser.add_argument("--gpu-ids", help="GPUs to use, comma-separated, e.g. 0,1 (default: all)")
-    args = cli.check_args(parser.parse_args())
+    args = options.parse(parser)
     if args.compile:  # refused before any work: DataParallel copies the model anew at every forward
         raise cli.UserError("--compile: nn.DataParallel replicates the model at every forward, which "
                             "torch.compile does not support; compile with DDP (multi-gpu-distributed-cls.py)")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import common
-from support import cli, launch, machine, models
+from support import cli, launch, machine, models, options
 
 
 class DDP(common.TorchDistributed):
@@ -39,9 +39,9 @@ class DDP(common.TorchDistributed):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser, backend=True, local_rank=True)
-    args = cli.check_args(parser.parse_args())
+    parser = options.build_parser(__file__, __doc__)
+    options.add_distributed_args(parser, backend=True, local_rank=True)
+    args = options.parse(parser)
     common.set_seed(args.seed)
 
     # [ranks] The global rank (0 .. world size - 1, across all machines) decides who prints and saves;

@@ -39,7 +39,7 @@ from transformers import TrainingArguments
 
 import common
 from libraries import transformers_setup
-from support import checkpoints, cli, launch, machine, models, results
+from support import checkpoints, cli, launch, machine, models, options, results
 
 
 def training_arguments(args, device, launched, own_group, deepspeed_config):
@@ -67,9 +67,9 @@ def training_arguments(args, device, launched, own_group, deepspeed_config):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
+    parser = options.build_parser(__file__, __doc__)
     transformers_setup.add_trainer_args(parser)  # the launchers' --local_rank, --precision, --deepspeed, --fsdp
-    args = cli.check_args(parser.parse_args())
+    args = options.parse(parser)
     transformers_setup.refuse_what_the_trainer_cannot_do(args)
 
     # [ranks] One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads

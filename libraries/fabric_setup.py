@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 import common
-from support import checkpoints, cli, launch, machine
+from support import checkpoints, cli, launch, machine, options
 
 from . import deepspeed_setup
 
@@ -34,7 +34,7 @@ def add_fabric_args(parser):
     parser.add_argument("--fabric-strategy", choices=FABRIC_STRATEGIES, default="ddp",
                         help="ddp: a model copy per process; fsdp2: weights, gradients and optimizer state sharded "
                              "(Fabric's ModelParallelStrategy); deepspeed: ZeRO stage 2 (CUDA GPUs only)")
-    cli.add_precision_arg(parser, default=None, default_help="fabric run's --precision, else fp32")
+    options.add_precision_arg(parser, default=None, default_help="fabric run's --precision, else fp32")
 
 
 def resolve_launch(args):

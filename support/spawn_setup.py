@@ -25,25 +25,28 @@ def add_launch_args(parser):
     parser.add_argument("--master-port", type=int, metavar="PORT", help="rendezvous port (default: a free one)")
 
 
+def launch_defaults(args, gpus):
+    """The launch options' defaults, which depend on the machine (its `gpus`): options.resolve's part for them."""
+    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        raise UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
+                        "of the --node-rank 0 machine) and --master-port")
+    return {"nprocs": (gpus or 2) if args.nprocs is None else args.nprocs,
+            "master_addr": args.master_addr or "127.0.0.1",
+            "master_port": free_port() if args.master_port is None else args.master_port}
+
+
 def check_launch(args, gpus):
-    """Fill in the defaults that depend on the machine (its `gpus`) and refuse launches that cannot meet."""
-    if args.nprocs is None:
-        args.nprocs = gpus or 2
+    """Refuse launches that cannot meet, before any process starts."""
     if args.nprocs < 1 or args.nnodes < 1:
         raise UserError("--nprocs and --nnodes must be at least 1")
     if gpus and args.nprocs > gpus and args.backend != "gloo":
         raise UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
-                            "--backend gloo lets them share the GPUs")
+                        "--backend gloo lets them share the GPUs")
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
-    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
-        raise UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
-                            "of the --node-rank 0 machine) and --master-port")
-    args.master_addr = args.master_addr or "127.0.0.1"
-    if args.master_port is None:
-        args.master_port = free_port()
-    elif args.node_rank == 0:
-        refuse_a_port_in_use(args.master_port, "--master-port", "name another, or leave it out to get a free one")
+    if args.node_rank == 0:
+        refuse_a_port_in_use(int(args.master_port), "--master-port",
+                             "name another, or leave it out to get a free one")
 
 
 def free_port():
