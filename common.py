@@ -530,7 +530,8 @@ class Strategy:
         return tensor
 
     def unwrap(self, model):
-        return model
+        # A wrapper's inner model (DDP's, DataParallel's, DeepSpeed's engine's): no "module." prefixes in the checkpoint.
+        return getattr(model, "module", model)
 
     def save_model(self, model, tokenizer, path):
         if self.is_main:

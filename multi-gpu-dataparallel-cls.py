@@ -31,10 +31,6 @@ class DataParallelStrategy(common.Strategy):
         # saves and --resume restores every one of them, not only the first GPU's.
         return self.gpu_ids
 
-    def unwrap(self, model):
-        # Save the inner model: no "module." prefixes in the checkpoint.
-        return model.module if isinstance(model, DataParallel) else model
-
 
 def choose_gpus(args):
     """The GPU indices to use: --gpu-ids, else all; none on a machine without GPUs."""

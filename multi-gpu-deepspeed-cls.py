@@ -57,9 +57,6 @@ class DeepSpeed(common.TorchDistributed):
         # Once per optimizer step, after its last micro-batch: steps the optimizer, then zeroes.
         self.engine.step()
 
-    def unwrap(self, model):
-        return model.module
-
     def save_model(self, model, tokenizer, path):
         shards = path.with_name(f".{path.name}.zero-shards")
         if self.zero_stage > 0:

@@ -35,9 +35,6 @@ class DDP(common.TorchDistributed):
         # forward as well as backward, so the context covers both.
         return contextlib.nullcontext() if last else model.no_sync()
 
-    def unwrap(self, model):
-        return model.module  # save the inner model: no "module." prefixes in the checkpoint
-
 
 def main():
     parser = options.build_parser(__file__, __doc__)

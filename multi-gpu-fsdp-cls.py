@@ -81,7 +81,7 @@ class FSDP2(common.TorchDistributed):
         shards = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(shards, checkpoint_id=path)  # each process reads its own shards, in place
         set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
-        return torch.load(path / checkpoints.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        return checkpoints.read_training_state(path)
 
     def extra_state(self):
         return {"scaler": self.scaler.state_dict()}

@@ -9,7 +9,6 @@ import warnings
 from datetime import timedelta
 
 import lightning_fabric
-import torch
 from lightning_fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -182,7 +181,7 @@ class FabricSupport(common.Strategy):
 
     def load_state(self, model, optimizer, path):
         self.fabric.load(path / "fabric", {"model": model, "optimizer": optimizer}, weights_only=True)
-        return torch.load(path / checkpoints.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        return checkpoints.read_training_state(path)
 
     def extra_state(self):
         # fp16's gradient scaler lives in Fabric's precision plugin (GPUs only); the others have none.

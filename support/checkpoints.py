@@ -14,7 +14,7 @@ import torch
 
 from . import launch
 from .callbacks import Callback
-from .errors import UserError, describe, first_cause
+from .errors import StoppedAfterSaving, UserError, describe, first_cause
 from .files import existing_parent, removed_on_failure, replace_dir, staged_dir, staged_name, write_json
 
 # A training checkpoint: the state, and what its step means, readable by a person.
@@ -247,7 +247,7 @@ class SaveOnSignal(Callback):
         told = strategy.reduce_mean(torch.tensor(float(self.received is not None), device=strategy.device))
         if told.item() > 0:
             save(trainer, step)
-            raise UserError(f"stopped by {self.received or 'a signal to another process'} after step {step}: "
+            raise StoppedAfterSaving(f"stopped by {self.received or 'a signal to another process'} after step {step}: "
                             f"checkpoint saved in {trainer.output_dir / 'checkpoint'}; --resume continues from it")
 
     def on_result(self, trainer, result):

@@ -34,7 +34,7 @@ def run(main):
     except UserError as error:
         if error.only_this_rank or current_rank() == 0:  # rank 0 speaks for all
             report(f"error: {error}")
-        sys.exit(2)
+        sys.exit(error.status)
     except KeyboardInterrupt:
         print(f"rank {current_rank()}: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -6,7 +6,7 @@ import socket
 import sys
 import time
 
-from .errors import UserError
+from .errors import StoppedAfterSaving, UserError
 from .launch import refuse_a_port_in_use
 
 # Seconds the other processes get to stop on their own after a failure before they are killed; and
@@ -62,19 +62,19 @@ def wait_for(processes, first_failure, args):
     """Wait for the processes of `mp.start_processes(..., join=False)`. If one fails, the others get a
     grace period, then are stopped, and the job ends naming the first rank that failed; if the job is
     interrupted (Ctrl-C, or SIGTERM or SIGUSR1 from a scheduler), they are stopped before the script
-    exits, with their status 2 where they stopped after saving (--save-on-signal: they said so)."""
+    exits, with their status where they stopped after saving (--save-on-signal: they said so)."""
     import torch.multiprocessing as mp
     try:
         while not processes.join(grace_period=SHUTDOWN_GRACE_SECONDS):
             pass
     except KeyboardInterrupt:
         stop(processes.processes, args.node_rank * args.nprocs)
-        if 2 in [process.exitcode for process in processes.processes]:
-            raise SystemExit(2) from None
+        if StoppedAfterSaving.status in [process.exitcode for process in processes.processes]:
+            raise SystemExit(StoppedAfterSaving.status) from None
         raise
     except mp.ProcessExitedException as error:
-        if error.exit_code == 2:  # a user error: the process has already said what to fix
-            raise SystemExit(2) from None
+        if error.exit_code in (UserError.status, StoppedAfterSaving.status):  # the process has said why
+            raise SystemExit(error.exit_code) from None
         rank = first_failure.value if first_failure.value >= 0 else args.node_rank * args.nprocs + error.error_index
         cause = f"killed by {error.signal_name}" if error.signal_name else f"exit code {error.exit_code}"
         raise SystemExit(f"error: rank {rank} failed ({cause}); the other processes were stopped") from None
