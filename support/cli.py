@@ -1,6 +1,5 @@
-"""How a script runs: its failures reach the user as one line and a status, and what it holds (the
-output folder's lock, the process group) is let go on every exit path. Its options are options.py's, its
-launch environment launch.py's."""
+"""How a script runs: its failures reach the user as one line and an exit status, and the output folder's
+lock is let go on every exit path. Its options are options.py's, its launch environment launch.py's."""
 import contextlib
 import gc
 import json

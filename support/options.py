@@ -1,8 +1,6 @@
-"""The options every script shares: the parser in named groups, then one resolve step that decides every
-default depending on the machine, the strategy or another option, then the checks of every value.
-
-Imports nothing heavy (no torch, no transformers): what only plans runs, as the benchmark runner does,
-reads the options at once.
+"""The options every script shares: the parser in named groups; resolve, the one step that decides every
+default depending on the machine or on another option; and the checks. Imports nothing heavy (torch only
+inside resolve): what only plans runs, as the benchmark runner does, reads the options at once.
 
 --help lists the options in named groups: the strategy's own first (what a script adds with
 `parser.add_argument`), then model, data and output; training; checkpoints; speed; measurement. A new shared
@@ -210,11 +208,10 @@ class Options(argparse.Namespace):
     def __init__(self, **values):
         self.__dict__.update(values)
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name, value=None):
         raise AttributeError(f"--{name.replace('_', '-')} is resolved once, by options.resolve: it cannot change after")
 
-    def __delattr__(self, name):
-        self.__setattr__(name, None)
+    __delattr__ = __setattr__
 
 
 def parse(parser):

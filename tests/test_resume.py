@@ -14,6 +14,7 @@ import pytest
 import common
 from support import checkpoints, models
 from support.errors import UserError
+from support.options import resolve
 from conftest import (BIN, ONE_PROCESS, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_curves,
                       read_result, require, run, run_here, run_in_process)
 from test_bad_input import assert_clean_error
@@ -206,7 +207,7 @@ def test_every_option_is_restored_applied_or_refused_as_running_md_says(monkeypa
     def run_with(args):
         return SimpleNamespace(args=args, strategy=common.Strategy("cpu"), global_batch_size=32, model_name="tiny")
     for parser in parsers:
-        args = parser.parse_args([])
+        args = resolve(parser.parse_args([]))  # as a run reads them
         for action in parser._actions:
             if action.option_strings and action.dest != "help" and action.option_strings[0] not in resolved:
                 changed = argparse.Namespace(**{**vars(args), action.dest: another(getattr(args, action.dest))})
