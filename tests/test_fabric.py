@@ -10,7 +10,7 @@ import transformers
 
 import common
 from support import cli, machine
-from support.options import build_parser
+from support.options import build_parser, resolve
 import hooks
 from support import models
 from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_no_process_left, assert_same_weights,
@@ -127,7 +127,7 @@ def test_fabric_leaves_the_epoch_of_the_suites_sampler_to_the_trainer():
     train, _ = small_split()
     tokenizer, _ = models.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
     dataset = common.EncodedDataset(train, tokenizer, 128)
-    args = build_parser(SCRIPT, "").parse_args(["--batch-size", "16"])
+    args = resolve(build_parser(SCRIPT, "").parse_args(["--batch-size", "16"]))
     loader = Fabric(accelerator="cpu", devices=1).setup_dataloaders(
         common.make_loader(dataset, args, tokenizer, common.train_sampler(dataset, args, 2, 1)),
         use_distributed_sampler=False)
