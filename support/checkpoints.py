@@ -32,9 +32,8 @@ def save_model(model, tokenizer, path, state_dict=None):
 
 # ----------------------------------------------------------------------------- the Trainer's checkpoints
 
-REFUSED, APPLIED = "refused", "applied"
 # What a step means, by meaning.json's key: its value in the run, and the options it comes from. A checkpoint
-# resumes only where all of it is equal, so a resume refuses changing these options (ON_RESUME's REFUSED):
+# resumes only where all of it is equal, so a resume refuses changing these options (REFUSED_ON_RESUME):
 # a step would mean other samples or tokens (the processes, however launched), other numbers (the precision:
 # an fp16 run's checkpoint holds a gradient scaler, DeepSpeed's 16-bit weights), or other files (the strategy's
 # checkpoint_layout(): DeepSpeed's ZeRO stage and offload, Fabric's strategy; FSDP's --offload, untested).
@@ -54,24 +53,14 @@ STEP_MEANING = {
     "precision": (lambda run: run.strategy.precision, ["--precision"]),
 }
 LAYOUT_OPTIONS = ["--zero-stage", "--offload", "--fabric-strategy"]  # those of strategy.checkpoint_layout()'s keys
-# What --resume does with each option of the scripts that train with common.Trainer (docs/running.md's
-# table; test_resume.py checks both against the scripts). What it restores is no option: the weights,
-# the optimizer's moments, the step, every process's random states, a gradient scaler's scale.
-ON_RESUME = {
-    **dict.fromkeys([option for _, options in STEP_MEANING.values() for option in options] + LAYOUT_OPTIONS, REFUSED),
-    # Applied from the resumed step on: the rest. The learning rate is constant (no schedule to
-    # restore), so a new --lr is the user's choice for the steps to come, as after a loss spike;
-    # --lr and --weight-decay go into the restored optimizer, and a change is named.
-    # --deepspeed-config: what it sets of the refused ones is compared as those.
-    **dict.fromkeys(["--lr", "--weight-decay", "--dropout", "--epochs", "--max-steps", "--log-steps", "--save-model",
-                     "--eval-steps", "--save-steps", "--save-on-signal", "--resume", "--output-dir", "--device",
-                     "--num-workers", "--threads", "--gradient-checkpointing", "--compile", "--compile-mode",
-                     "--compile-dynamic", "--pad-to-multiple-of", "--tf32", "--profile", "--dist-timeout",
-                     "--local-rank", "--backend", "--node-rank", "--master-addr", "--master-port", "--gpu-ids",
-                     "--reshard-after-forward", "--fp16-allreduce", "--deepspeed-config", "--estimate-memory"],
-                    APPLIED),
-}
-# The optimizer's settings that come from APPLIED options, by parameter group: a resume puts them back
+# A resume refuses changing the options a step's meaning comes from, and applies every other from the resumed
+# step on (docs/running.md's table; test_resume.py checks both against the scripts). The learning rate is
+# constant (no schedule to restore), so a new --lr is the user's choice for the steps to come, as after a loss
+# spike; --lr and --weight-decay go into the restored optimizer, and a change is named. --deepspeed-config: what
+# it sets of the refused ones is compared as those. What a resume restores is no option: the weights, the
+# optimizer's moments, the step, every process's random states, a gradient scaler's scale.
+REFUSED_ON_RESUME = [option for _, options in STEP_MEANING.values() for option in options] + LAYOUT_OPTIONS
+# The optimizer's settings that come from applied options, by parameter group: a resume puts them back
 # into the optimizer it restored.
 OPTIMIZER_OPTIONS = {"lr": "--lr", "weight_decay": "--weight-decay"}
 
@@ -114,10 +103,10 @@ def save(trainer, step):
 
 def resume(trainer):
     """With --resume, restore the checkpoint in --output-dir (choose()) and return its step, else 0;
-    the APPLIED settings are this command line's. Rank 0 chooses; every process must be able to read
+    the applied settings are this command line's. Rank 0 chooses; every process must be able to read
     what it chose. What a resume checks, and refuses in one line before any training: the script that
     wrote the checkpoint is this one (choose), its meaning.json is this run's meaning() in every
-    REFUSED setting, the training state it loads records the same (check_agrees), and every process
+    refused setting, the training state it loads records the same (check_agrees), and every process
     reads the folder rank 0 chose."""
     checkpoint, strategy = trainer.output_dir / "checkpoint", trainer.strategy
     if not trainer.args.resume:

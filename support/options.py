@@ -1,12 +1,6 @@
 """The options every script shares: the parser in named groups; resolve, the one step that decides every
 default depending on the machine or on another option; and the checks. Imports nothing heavy (torch only
 inside resolve): what only plans runs, as the benchmark runner does, reads the options at once.
-
---help lists the options in named groups: the strategy's own first (what a script adds with
-`parser.add_argument`), then model, data and output; training; checkpoints; speed; measurement. A new shared
-option goes in its group's add_*_args function below, whose `parser` is that group: `parser.add_argument`
-there lands in it. Its default is shown once: given as a value, --help appends it; where it depends on the
-run (None), the help says it in words, "(default: ...)".
 """
 import argparse
 import math
