@@ -45,7 +45,7 @@ from bench.options import list_rows, parse_args, plan
 from bench.provenance import choose_model, describe_machine, git_state, gpu_count, library_versions
 from bench.rows import STRATEGIES, relative
 from bench.run import add_figures, measure_matmul_peaks, read_matmul_peaks, run_all, summarize
-from support import cli, files
+from support import cli, files, folder
 
 
 def write_report(report, output_dir, final):
@@ -100,8 +100,8 @@ def main():
     cells = plan(args, gpus)
     check_batches_fit(args, cells, gpus)
     # The folder is this run's as a script's is its own (locked, no links, nothing of anyone else's touched).
-    cli.check_output_dir(str(args.output_dir))
-    cli.claim_output_dir(args.output_dir)
+    folder.check_output_dir(str(args.output_dir))
+    folder.claim_output_dir(args.output_dir)
     if args.real_size:
         announce_real_size(args, cells)
     report = new_report(args, cells, model, model_note)

@@ -4,7 +4,7 @@ A strategy script builds a `Strategy` (its device, its rank, and how it runs bac
 gradients, steps the optimizer, averages a loss and gathers predictions across processes), wraps the
 model its own way, and hands both to `Trainer`. Nothing in this file knows which strategy is running.
 Read it top to bottom: the data every process loads alike, the loop, then the Strategy it calls.
-The rest lives in support/, a module per duty (docs/architecture.md): cli (options), launch (ranks),
+The rest lives in support/, a module per duty (docs/architecture.md): options, launch (ranks),
 machine (device, cores), models, checkpoints, callbacks (the points of the loop where a script's
 instruments, from instruments/, hook in).
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from support import checkpoints, cli, launch, models
+from support import checkpoints, launch, models, options
 from support.errors import UserError
 from support.machine import computes_natively, set_threads, use_attention_without_plans, use_tf32
 from support.task import LABELS
@@ -47,8 +47,6 @@ def load_data_and_model(args, strategy):
     the model's); rank 0 resolves --model for all."""
     use_tf32(args.tf32, strategy.device)  # before any model is built, or compiled
     use_attention_without_plans(strategy.device)
-    # Repeating shapes on a GPU, where each new one costs a plan or a graph; on a CPU padding is only work.
-    args.pad_to_multiple_of = args.pad_to_multiple_of or (16 if strategy.device.type == "cuda" else 1)
     records = load_records(args.data)
     train_records, dev_records = split_records(records, args.max_samples, args.dev_ratio, args.seed)
     name = strategy.broadcast_object(models.resolve_model(args.model) if strategy.is_main else None)
@@ -111,7 +109,7 @@ def split_records(records, max_samples, dev_ratio, seed):
     Depends on nothing but these arguments, so every strategy and process count trains and
     evaluates on exactly the same samples.
     """
-    _, dev_size = cli.split_sizes(max_samples, dev_ratio, len(records))
+    _, dev_size = options.split_sizes(max_samples, dev_ratio, len(records))
     samples = records[:max_samples]
     random.Random(seed).shuffle(samples)
     return samples[dev_size:], samples[:dev_size]
@@ -253,7 +251,7 @@ def train_sampler(dataset, args, num_replicas=1, rank=0):
     describe samples that are not there."""
     sampler = GlobalBatchSampler([len(ids) for ids in dataset.input_ids], args.batch_size, num_replicas, rank,
                                  shuffle=not args.no_shuffle, group_by_length=args.group_by_length, seed=args.seed,
-                                 accumulation_steps=args.grad_accum, fill=(args.pad_to_multiple_of or 1) > 1)
+                                 accumulation_steps=args.grad_accum, fill=args.pad_to_multiple_of > 1)
     if sampler.global_batch_size > len(dataset):
         raise UserError(f"a global batch of {sampler.global_batch_size:,} (--batch-size {args.batch_size} x "
                         f"{num_replicas} process(es) x --grad-accum {args.grad_accum}) is more than the "
@@ -265,7 +263,7 @@ def eval_sampler(dataset, args, num_replicas=1, rank=0):
     """Dev samples in order, split over processes; the repeats that even out the last batch weigh 0,
     and evaluation drops them."""
     return GlobalBatchSampler([len(ids) for ids in dataset.input_ids], args.batch_size, num_replicas, rank,
-                              shuffle=False, fill=(args.pad_to_multiple_of or 1) > 1)
+                              shuffle=False, fill=args.pad_to_multiple_of > 1)
 
 
 def make_loader(dataset, args, tokenizer, batch_sampler):
@@ -273,7 +271,7 @@ def make_loader(dataset, args, tokenizer, batch_sampler):
     # generator, so the dropout masks after a --resume are those of the uninterrupted run. Pinned
     # memory only for GPU processes: pinning opens a CUDA context, on GPU 0, even in a --device cpu run.
     pin_memory = args.device != "cpu" and torch.cuda.is_available()
-    collate = PadBatch(tokenizer.pad_token_id, args.pad_to_multiple_of or 1, args.max_seq_len)
+    collate = PadBatch(tokenizer.pad_token_id, args.pad_to_multiple_of, args.max_seq_len)
     return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
                       num_workers=args.num_workers, pin_memory=pin_memory, worker_init_fn=launch.ignore_stop_signals,
                       generator=torch.Generator().manual_seed(args.seed))
@@ -517,7 +515,8 @@ class Strategy:
         return tensor
 
     def unwrap(self, model):
-        return model
+        # A wrapper's inner model (DDP's, DataParallel's, DeepSpeed's engine's): no "module." prefixes in the checkpoint.
+        return getattr(model, "module", model)
 
     def save_model(self, model, tokenizer, path):
         if self.is_main:

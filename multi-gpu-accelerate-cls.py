@@ -24,7 +24,7 @@ from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gath
 
 import common
 import instruments
-from support import checkpoints, cli, launch, machine, models
+from support import checkpoints, cli, launch, machine, models, options
 
 
 class Accelerate(common.Strategy):
@@ -96,11 +96,11 @@ class Accelerate(common.Strategy):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser)
-    cli.add_precision_arg(parser, default=None,
+    parser = options.build_parser(__file__, __doc__)
+    options.add_distributed_args(parser)
+    options.add_precision_arg(parser, default=None,
                           default_help="accelerate launch's --mixed_precision or config file, else fp32")
-    args = cli.check_args(parser.parse_args())
+    args = options.parse(parser)
     common.set_seed(args.seed)
 
     # [group] Accelerate joins the launched processes on GPUs by itself, on CPUs only when told cpu=True:

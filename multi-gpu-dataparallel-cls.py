@@ -17,7 +17,7 @@ from torch.nn import DataParallel
 
 import common
 import instruments
-from support import cli, machine, models
+from support import cli, machine, models, options
 
 
 class DataParallelStrategy(common.Strategy):
@@ -31,10 +31,6 @@ class DataParallelStrategy(common.Strategy):
         # The copies on the other GPUs draw their dropout from those GPUs' generators: a checkpoint
         # saves and --resume restores every one of them, not only the first GPU's.
         return self.gpu_ids
-
-    def unwrap(self, model):
-        # Save the inner model: no "module." prefixes in the checkpoint.
-        return model.module if isinstance(model, DataParallel) else model
 
 
 def choose_gpus(args):
@@ -60,9 +56,9 @@ def choose_gpus(args):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
+    parser = options.build_parser(__file__, __doc__)
     parser.add_argument("--gpu-ids", help="GPUs to use, comma-separated, e.g. 0,1 (default: all)")
-    args = cli.check_args(parser.parse_args())
+    args = options.parse(parser)
     if args.compile:  # refused before any work: DataParallel copies the model anew at every forward
         raise cli.UserError("--compile: nn.DataParallel replicates the model at every forward, which "
                             "torch.compile does not support; compile with DDP (multi-gpu-distributed-cls.py)")

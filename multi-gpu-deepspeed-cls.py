@@ -27,7 +27,7 @@ import torch.distributed as dist
 import common
 import instruments
 from libraries import deepspeed_setup
-from support import checkpoints, cli, launch, machine, models
+from support import checkpoints, cli, launch, machine, models, options
 
 
 class DeepSpeed(common.TorchDistributed):
@@ -57,9 +57,6 @@ class DeepSpeed(common.TorchDistributed):
     def step(self, model, optimizer):
         # Once per optimizer step, after its last micro-batch: steps the optimizer, then zeroes.
         self.engine.step()
-
-    def unwrap(self, model):
-        return model.module
 
     def save_model(self, model, tokenizer, path):
         shards = path.with_name(f".{path.name}.zero-shards")
@@ -124,10 +121,10 @@ class DeepSpeed(common.TorchDistributed):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser, local_rank=True)  # the deepspeed launcher passes --local_rank=N
+    parser = options.build_parser(__file__, __doc__)
+    options.add_distributed_args(parser, local_rank=True)  # the deepspeed launcher passes --local_rank=N
     deepspeed_setup.add_deepspeed_args(parser)  # --zero-stage, --offload, --precision, --deepspeed-config
-    args = cli.check_args(parser.parse_args())
+    args = options.parse(parser)
     common.set_seed(args.seed)
     if args.estimate_memory is not None:  # a table of what each ZeRO stage needs per GPU, then exit
         deepspeed_setup.estimate_memory(args)

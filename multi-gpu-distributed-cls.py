@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import common
 import instruments
-from support import cli, launch, machine, models
+from support import cli, launch, machine, models, options
 
 
 class DDP(common.TorchDistributed):
@@ -35,14 +35,11 @@ class DDP(common.TorchDistributed):
         # forward as well as backward, so the context covers both.
         return contextlib.nullcontext() if last else model.no_sync()
 
-    def unwrap(self, model):
-        return model.module  # save the inner model: no "module." prefixes in the checkpoint
-
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser, backend=True, local_rank=True)
-    args = cli.check_args(parser.parse_args())
+    parser = options.build_parser(__file__, __doc__)
+    options.add_distributed_args(parser, backend=True, local_rank=True)
+    args = options.parse(parser)
     common.set_seed(args.seed)
 
     # [ranks] The global rank (0 .. world size - 1, across all machines) decides who prints and saves;

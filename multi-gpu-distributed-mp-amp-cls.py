@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import common
 import instruments
-from support import cli, machine, models, spawn_setup
+from support import cli, machine, models, options, spawn_setup
 # The 16-bit type autocast computes in, for each --precision choice.
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 
@@ -70,26 +70,20 @@ class DDPWithAMP(common.TorchDistributed):
         # forward as well as backward, so the context covers both.
         return contextlib.nullcontext() if last else model.no_sync()
 
-    def unwrap(self, model):
-        return model.module  # save the inner model: no "module." prefixes in the checkpoint
-
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser, backend=True)
+    parser = options.build_parser(__file__, __doc__)
+    options.add_distributed_args(parser, backend=True)
     # [launch] The options torchrun took (--nprocs, --nnodes, --node-rank, --master-addr, --master-port), now
     #    the script's own, and torchrun's checks: a free port unless one is named, a rank per machine.
     spawn_setup.add_launch_args(parser)
-    cli.add_precision_arg(parser, default=None, default_help="fp16 on GPUs, bf16 on CPU")
-    args = cli.check_args(parser.parse_args())
-    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
-    spawn_setup.check_launch(args, gpus)
+    options.add_precision_arg(parser, default=options.ByDevice(gpu="fp16", cpu="bf16"),
+                              default_help="fp16 on GPUs, bf16 on CPU")
+    args = options.parse(parser)
 
     # [amp] fp16 is the 16-bit format every CUDA GPU computes fast; CPUs emulate it, many times
     #    slower than fp32, and only some compute bf16 natively (the Trainer says when it is
     #    emulated). Refuse what a process's device cannot run before any process starts.
-    if args.precision is None:
-        args.precision = "fp16" if gpus else "bf16"
     for local_rank in range(args.nprocs):
         machine.check_precision(args.precision, machine.resolve_device(args.device, local_rank, args.backend == "gloo"))
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import common
 import instruments
-from support import cli, machine, models, spawn_setup
+from support import cli, machine, models, options, spawn_setup
 
 
 class DDP(common.TorchDistributed):
@@ -36,19 +36,14 @@ class DDP(common.TorchDistributed):
         # forward as well as backward, so the context covers both.
         return contextlib.nullcontext() if last else model.no_sync()
 
-    def unwrap(self, model):
-        return model.module  # save the inner model: no "module." prefixes in the checkpoint
-
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser, backend=True)
+    parser = options.build_parser(__file__, __doc__)
+    options.add_distributed_args(parser, backend=True)
     # [launch] The options torchrun took (--nprocs, --nnodes, --node-rank, --master-addr, --master-port), now
     #    the script's own, and torchrun's checks: a free port unless one is named, a rank per machine.
     spawn_setup.add_launch_args(parser)
-    args = cli.check_args(parser.parse_args())
-    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
-    spawn_setup.check_launch(args, gpus)
+    args = options.parse(parser)
 
     # [spawn] Start the processes and wait for them. spawn (not fork) gives each a fresh interpreter, as
     #    CUDA requires. If one fails, the others are stopped, as torchrun would; the same on Ctrl-C.

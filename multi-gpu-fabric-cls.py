@@ -24,7 +24,7 @@ from lightning_fabric import Fabric
 import common
 import instruments
 from libraries import fabric_setup
-from support import cli, launch, models
+from support import cli, launch, models, options
 
 
 class ThroughFabric(fabric_setup.FabricSupport):
@@ -63,10 +63,10 @@ class ThroughFabric(fabric_setup.FabricSupport):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser)
+    parser = options.build_parser(__file__, __doc__)
+    options.add_distributed_args(parser)
     fabric_setup.add_fabric_args(parser)
-    args = cli.check_args(parser.parse_args())
+    args = options.parse(parser)
     common.set_seed(args.seed)
 
     # [launch] What the launcher asked for, checked before anything starts: a precision or a strategy this

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 import common
 import instruments
-from support import checkpoints, cli, launch, machine, models
+from support import checkpoints, cli, launch, machine, models, options
 
 # The 16-bit type the sharded weights are gathered in for computing, for each --precision choice.
 PARAM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
@@ -82,7 +82,7 @@ class FSDP2(common.TorchDistributed):
         shards = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(shards, checkpoint_id=path)  # each process reads its own shards, in place
         set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
-        return torch.load(path / checkpoints.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        return checkpoints.read_training_state(path)
 
     def extra_state(self):
         return {"scaler": self.scaler.state_dict()}
@@ -98,7 +98,7 @@ class FSDP2(common.TorchDistributed):
 
 
 def add_fsdp_args(parser):
-    cli.add_precision_arg(parser)
+    options.add_precision_arg(parser)
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                         help="free each layer's gathered weights after its forward and gather them again for "
                              "backward (least memory, like ZeRO-3); --no-... keeps them (one all-gather fewer)")
@@ -116,10 +116,10 @@ def group_backend(device, offload):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    cli.add_distributed_args(parser)
+    parser = options.build_parser(__file__, __doc__)
+    options.add_distributed_args(parser)
     add_fsdp_args(parser)
-    args = cli.check_args(parser.parse_args())
+    args = options.parse(parser)
     common.set_seed(args.seed)
 
     # [ranks] The global rank (0 .. world size - 1, across all machines) decides who prints and saves;

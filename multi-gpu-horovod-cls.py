@@ -20,7 +20,7 @@ import torch
 
 import common
 import instruments
-from support import cli, launch, machine, models
+from support import cli, launch, machine, models, options
 
 
 class Horovod(common.Strategy):
@@ -70,10 +70,10 @@ def check_launched():
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
+    parser = options.build_parser(__file__, __doc__)
     parser.add_argument("--fp16-allreduce", action="store_true",
                         help="send gradients as fp16 (half the traffic, about 3 significant digits)")
-    args = cli.check_args(parser.parse_args())
+    args = options.parse(parser)
     common.set_seed(args.seed)
 
     # [ranks] Join the job horovodrun started. The global rank decides who prints and saves; the local

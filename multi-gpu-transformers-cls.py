@@ -40,7 +40,7 @@ from transformers import TrainingArguments
 import common
 import instruments
 from libraries import transformers_setup
-from support import checkpoints, cli, launch, machine, models
+from support import checkpoints, cli, launch, machine, models, options
 
 
 def training_arguments(args, device, launched, own_group, deepspeed_config):
@@ -68,9 +68,9 @@ def training_arguments(args, device, launched, own_group, deepspeed_config):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
+    parser = options.build_parser(__file__, __doc__)
     transformers_setup.add_trainer_args(parser)  # the launchers' --local_rank, --precision, --deepspeed, --fsdp
-    args = cli.check_args(parser.parse_args())
+    args = options.parse(parser)
     transformers_setup.refuse_what_the_trainer_cannot_do(args)
 
     # [ranks] One process alone (python), or one of several (torchrun, or srun's tasks): the Trainer reads

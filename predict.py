@@ -15,7 +15,7 @@ import transformers
 from safetensors import SafetensorError
 
 import common
-from support import cli
+from support import cli, options
 
 
 # A tokenizer's vocabulary, as save_pretrained writes it (the fast tokenizer's file, or the WordPiece list).
@@ -92,11 +92,11 @@ def main():
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("texts", nargs="*", help="texts to classify")
     args = parser.parse_args()
-    cli.check_max_seq_len(args.max_seq_len)
+    options.check_max_seq_len(args.max_seq_len)
 
     texts = read_texts(args)
     tokenizer, model = load_checkpoint(args.checkpoint)
-    cli.check_max_seq_len(args.max_seq_len, model.config.max_position_embeddings)
+    options.check_max_seq_len(args.max_seq_len, model.config.max_position_embeddings)
     # As in training: the spaces of word-segmented text removed.
     normalized = [common.normalize_text(text) for text in texts]
     for text, (label, probability) in zip(texts, predict(tokenizer, model, normalized, args.max_seq_len)):

@@ -8,12 +8,12 @@ Every other script in this suite is this one plus its strategy's steps: compare 
 """
 import common
 import instruments
-from support import cli, machine, models
+from support import cli, machine, models, options
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    args = cli.check_args(parser.parse_args())
+    parser = options.build_parser(__file__, __doc__)
+    args = options.parse(parser)
     common.set_seed(args.seed)
 
     # [device] One process on one device: no ranks, nothing to synchronise.

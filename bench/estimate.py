@@ -8,6 +8,7 @@ from pathlib import Path
 
 from support import cli
 from support.task import LABELS, base_shape_config
+from support.options import split_sizes
 
 from .options import devices, script_data
 from .rows import ROOT, SCRIPT_BATCH_SIZE, SCRIPT_DEV_RATIO, SCRIPT_MAX_SAMPLES, STRATEGIES, relative
@@ -192,7 +193,7 @@ def row_global_batches(args, cells, gpus):
 def train_samples(args):
     """The training samples every script will have, the --dev-ratio and the data's records (None: unread)."""
     dev_ratio, records = script_data(args.passthrough)
-    train, _ = cli.split_sizes(args.max_samples or SCRIPT_MAX_SAMPLES, dev_ratio, math.inf)
+    train, _ = split_sizes(args.max_samples or SCRIPT_MAX_SAMPLES, dev_ratio, math.inf)
     return train, dev_ratio, records
 
 

@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 from support import cli
+from support.options import MIN_SAMPLES, PRECISIONS, Options, split_sizes
 
 from .rows import (BUILT_IN_VARIANTS, DEFAULT_ROWS, ROOT, SCRIPT_BATCH_SIZE, SCRIPT_DEFAULTS, SCRIPT_DEV_RATIO,
                    SCRIPT_MAX_SAMPLES, STRATEGIES, Variant, job_hosts, relative)
@@ -39,7 +40,7 @@ def parse_args(argv, gpus, description=None):
         if max(args.node_counts) > len(args.hosts):
             raise cli.UserError(f"--nnodes {args.nnodes}: this Slurm job has {len(args.hosts)} node(s); ask sbatch "
                                 "for more with --nodes")
-    return args
+    return Options(**vars(args))  # resolved: read-only from here on
 
 
 def build_parser(gpus, description):
@@ -106,7 +107,7 @@ def add_script_options(parser):
     parser.add_argument("--global-batch", type=int,
                         help="the same global batch for every row and process count (strong scaling): per-device "
                              "batch = N / devices")
-    parser.add_argument("--precision", choices=cli.PRECISIONS,
+    parser.add_argument("--precision", choices=PRECISIONS,
                         help="for every strategy that offers mixed precision (ddp-amp, deepspeed, accelerate, fsdp, hf-trainer, "
                              "fabric); the "
                              "others stay in fp32 (default: the scripts' own: fp32, and for ddp-amp fp16 on GPUs, "
@@ -208,11 +209,11 @@ def check_runner_args(args, passthrough, default_nprocs, gpus=0):
     args.batch_sizes = parse_counts(str(args.batch_size), "--batch-size", "batch size") if args.batch_size else [None]
     args.batch_size = args.batch_sizes[-1]  # the largest: what the estimates size
     for name in ("repeat", "max_samples", "epochs", "max_steps", "global_batch", "profile"):
-        value, least = getattr(args, name), cli.MIN_SAMPLES if name == "max_samples" else 1
+        value, least = getattr(args, name), MIN_SAMPLES if name == "max_samples" else 1
         if value is not None and value < least:
             raise cli.UserError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     dev_ratio, records = script_data(passthrough)
-    cli.split_sizes(args.max_samples or SCRIPT_MAX_SAMPLES, dev_ratio, math.inf if records is None else records)
+    split_sizes(args.max_samples or SCRIPT_MAX_SAMPLES, dev_ratio, math.inf if records is None else records)
     if not 0 < args.timeout < math.inf:
         raise cli.UserError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.publish and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.publish):

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Callable
 
 from support import cli
+from support.options import ROOT, build_parser
 from support.spawn_setup import free_port
 
 
-ROOT = cli.ROOT
 # The launchers come from the same environment as this Python, so every strategy runs the same libraries.
 BIN = Path(sys.executable).parent
-SCRIPT_DEFAULTS = cli.build_parser(__file__, "")
+SCRIPT_DEFAULTS = build_parser(__file__, "")
 SCRIPT_BATCH_SIZE = SCRIPT_DEFAULTS.get_default("batch_size")
 SCRIPT_MAX_SAMPLES = SCRIPT_DEFAULTS.get_default("max_samples")
 SCRIPT_DEV_RATIO = SCRIPT_DEFAULTS.get_default("dev_ratio")

@@ -14,7 +14,7 @@ import pydantic
 import torch
 
 import common
-from support import checkpoints, cli, files, launch, machine, models
+from support import checkpoints, cli, files, launch, machine, models, options
 
 # DeepSpeed 0.19 still calls collectives that torch 2.13 has renamed: a warning per call site and rank.
 warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated")
@@ -44,7 +44,7 @@ def add_deepspeed_args(parser):
     parser.add_argument("--offload", choices=list(OFFLOAD_KEYS),
                         help="optimizer state (stage 3: weights too) in CPU memory (default: the config's, "
                              "else none)")
-    cli.add_precision_arg(parser, default=None, default_help="the config's, else fp32")
+    options.add_precision_arg(parser, default=None, default_help="the config's, else fp32")
     parser.add_argument("--estimate-memory", type=int, nargs="*", metavar="N",
                         help="print the model-state memory per GPU and machine of each stage and offload on "
                              "GPUS_PER_NODE [NODES] (default: this launch's), then exit")

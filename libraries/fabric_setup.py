@@ -9,14 +9,13 @@ import warnings
 from datetime import timedelta
 
 import lightning_fabric
-import torch
 from lightning_fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
 import common
-from support import checkpoints, cli, launch, machine
+from support import checkpoints, cli, launch, machine, options
 
 from . import deepspeed_setup
 
@@ -34,7 +33,7 @@ def add_fabric_args(parser):
     parser.add_argument("--fabric-strategy", choices=FABRIC_STRATEGIES, default="ddp",
                         help="ddp: a model copy per process; fsdp2: weights, gradients and optimizer state sharded "
                              "(Fabric's ModelParallelStrategy); deepspeed: ZeRO stage 2 (CUDA GPUs only)")
-    cli.add_precision_arg(parser, default=None, default_help="fabric run's --precision, else fp32")
+    options.add_precision_arg(parser, default=None, default_help="fabric run's --precision, else fp32")
 
 
 def resolve_launch(args):
@@ -182,7 +181,7 @@ class FabricSupport(common.Strategy):
 
     def load_state(self, model, optimizer, path):
         self.fabric.load(path / "fabric", {"model": model, "optimizer": optimizer}, weights_only=True)
-        return torch.load(path / checkpoints.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        return checkpoints.read_training_state(path)
 
     def extra_state(self):
         # fp16's gradient scaler lives in Fabric's precision plugin (GPUs only); the others have none.

@@ -14,7 +14,7 @@ from transformers import ProgressCallback, Trainer, TrainerCallback
 
 import common
 from instruments import measure
-from support import cli, files, machine, models
+from support import cli, files, machine, models, options
 
 from . import deepspeed_setup
 
@@ -22,8 +22,8 @@ SCRIPT = "multi-gpu-transformers-cls.py"
 
 
 def add_trainer_args(parser):
-    cli.add_distributed_args(parser, local_rank=True)  # the legacy and deepspeed launchers pass --local_rank
-    cli.add_precision_arg(parser)
+    options.add_distributed_args(parser, local_rank=True)  # the legacy and deepspeed launchers pass --local_rank
+    options.add_precision_arg(parser)
     parser.add_argument("--deepspeed", metavar="JSON",
                         help="train with DeepSpeed through TrainingArguments(deepspeed=...), e.g. "
                              "configs/deepspeed/zero2.json (batch sizes, clipping and precision come from the "

@@ -28,7 +28,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from support import cli, files, launch, machine, models  # noqa: E402
+from support import cli, files, launch, machine, models, options  # noqa: E402
 
 LAUNCH = "torchrun --standalone --nproc_per_node 2 microbenchmarks/allreduce.py"
 UNITS = {"": 1, "K": 2**10, "M": 2**20}
@@ -120,11 +120,11 @@ def print_table(rows, model_name):
 
 def parse_args():
     """The command line, its values checked."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=options.HelpFormatter)
     parser.add_argument("--model", default="auto",
                         help="whose gradient size to time: 'auto' (as the training scripts resolve it), 'tiny', "
                              "'base-shape', a folder or a hub id")
-    parser.add_argument("--data", default=str(cli.ROOT / "data" / "train.json"),
+    parser.add_argument("--data", default=str(options.ROOT / "data" / "train.json"),
                         help="the tiny model's vocabulary comes from this data's training split")
     parser.add_argument("--max-samples", type=int, default=10000, help="as the training scripts' option")
     parser.add_argument("--dev-ratio", type=float, default=0.08, help="as the training scripts' option")
@@ -136,7 +136,7 @@ def parse_args():
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: the GPUs when this machine has one for each of its processes, else the CPU")
     parser.add_argument("--json", metavar="PATH", help="also write the results here (rank 0)")
-    cli.add_distributed_args(parser)
+    options.add_distributed_args(parser)
     args = parser.parse_args()
     sizes = parse_sizes(args.sizes)
     if args.max_samples < 2 or not 0 < args.dev_ratio < 1:

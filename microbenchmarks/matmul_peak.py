@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support import cli, machine  # noqa: E402
+from support import cli, machine, options  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # CPU: on 2 cores the fp32 rate is flat from 256 on, and all four sizes take under a second (1536: some
@@ -120,7 +120,7 @@ def parse_sizes(text):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=options.HelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the first GPU")
     parser.add_argument("--precision", choices=list(DTYPES), default="fp32",
                         help="fp32: IEEE; tf32: fp32 on the TF32 tensor cores of an NVIDIA GPU; bf16, fp16: 16-bit")

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from support import cli, machine, models  # noqa: E402
+from support import cli, machine, models, options  # noqa: E402
 
 
 class TokenizeEveryBatch:
@@ -68,8 +68,8 @@ def dev_accuracy(model, dev_set, tokenizer, device, args):
 
 
 def main():
-    parser = cli.build_parser(__file__, __doc__)
-    args = cli.check_args(parser.parse_args())
+    parser = options.build_parser(__file__, __doc__)
+    args = options.parse(parser)
     device = machine.resolve_device(args.device)
     records = common.load_records(args.data)
     train_records, dev_records = common.split_records(records, args.max_samples, args.dev_ratio, args.seed)
@@ -78,13 +78,13 @@ def main():
     model_name = models.resolve_model(args.model)
     for name in ("reference", "ours", "ours+group"):
         common.set_seed(args.seed)
-        args.group_by_length = name == "ours+group"
         tokenizer, model, model_name, lr = models.load_model(args, [text for text, _ in train_records],
                                                              model_name, common.LABELS)
         model.to(device)
         dev_set = common.EncodedDataset(dev_records, tokenizer, args.max_seq_len)
         train_set = common.EncodedDataset(train_records, tokenizer, args.max_seq_len)
-        sampler = common.train_sampler(train_set, args)
+        row_args = options.Options(**dict(vars(args), group_by_length=name == "ours+group"))  # the row's batching
+        sampler = common.train_sampler(train_set, row_args)
         sampler.set_epoch(1)
         if name == "reference":
             # The same batches of the same samples, from the raw texts.

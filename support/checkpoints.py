@@ -14,7 +14,7 @@ import torch
 
 from . import launch
 from .callbacks import Callback
-from .errors import UserError, describe, first_cause
+from .errors import StoppedAfterSaving, UserError, describe, first_cause
 from .files import existing_parent, removed_on_failure, replace_dir, staged_dir, staged_name, write_json
 
 # A training checkpoint: the state, and what its step means, readable by a person.
@@ -32,45 +32,43 @@ def save_model(model, tokenizer, path, state_dict=None):
 
 # ----------------------------------------------------------------------------- the Trainer's checkpoints
 
-REFUSED, APPLIED = "refused", "applied"
-# What --resume does with each option of the scripts that train with common.Trainer (docs/running.md's
-# table; test_resume.py checks both against the scripts). What it restores is no option: the weights,
-# the optimizer's moments, the step, every process's random states, a gradient scaler's scale.
-ON_RESUME = {
-    # Refused where different from the checkpoint's (meaning()): a step would mean other samples or
-    # other tokens (--nprocs and --nnodes: the processes, however launched), other numbers (--precision),
-    # or other files (DeepSpeed's ZeRO stage and offload, Fabric's strategy; FSDP's --offload, untested).
-    **dict.fromkeys(["--model", "--data", "--max-samples", "--dev-ratio", "--seed", "--no-shuffle",
-                     "--group-by-length", "--max-seq-len", "--batch-size", "--grad-accum", "--nprocs", "--nnodes",
-                     "--precision", "--zero-stage", "--offload", "--fabric-strategy"], REFUSED),
-    # Applied from the resumed step on: the rest. The learning rate is constant (no schedule to
-    # restore), so a new --lr is the user's choice for the steps to come, as after a loss spike;
-    # --lr and --weight-decay go into the restored optimizer, and a change is named.
-    # --deepspeed-config: what it sets of the refused ones is compared as those.
-    **dict.fromkeys(["--lr", "--weight-decay", "--dropout", "--epochs", "--max-steps", "--log-steps", "--save-model",
-                     "--eval-steps", "--save-steps", "--save-on-signal", "--resume", "--output-dir", "--device",
-                     "--num-workers", "--threads", "--gradient-checkpointing", "--compile", "--compile-mode",
-                     "--compile-dynamic", "--pad-to-multiple-of", "--tf32", "--profile", "--dist-timeout",
-                     "--local-rank", "--backend", "--node-rank", "--master-addr", "--master-port", "--gpu-ids",
-                     "--reshard-after-forward", "--fp16-allreduce", "--deepspeed-config", "--estimate-memory"],
-                    APPLIED),
+# What a step means, by meaning.json's key: its value in the run, and the options it comes from. A checkpoint
+# resumes only where all of it is equal, so a resume refuses changing these options (REFUSED_ON_RESUME):
+# a step would mean other samples or tokens (the processes, however launched), other numbers (the precision:
+# an fp16 run's checkpoint holds a gradient scaler, DeepSpeed's 16-bit weights), or other files (the strategy's
+# checkpoint_layout(): DeepSpeed's ZeRO stage and offload, Fabric's strategy; FSDP's --offload, untested).
+STEP_MEANING = {
+    "world_size": (lambda run: run.strategy.world_size, ["--nprocs", "--nnodes"]),
+    "batch_size_per_process": (lambda run: run.args.batch_size, ["--batch-size"]),
+    "global_batch_size": (lambda run: run.global_batch_size, []),
+    "gradient_accumulation_steps": (lambda run: run.args.grad_accum, ["--grad-accum"]),
+    "data": (lambda run: str(Path(run.args.data).resolve()), ["--data"]),
+    "max_samples": (lambda run: run.args.max_samples, ["--max-samples"]),
+    "dev_ratio": (lambda run: run.args.dev_ratio, ["--dev-ratio"]),
+    "seed": (lambda run: run.args.seed, ["--seed"]),
+    "shuffle": (lambda run: not run.args.no_shuffle, ["--no-shuffle"]),
+    "group_by_length": (lambda run: run.args.group_by_length, ["--group-by-length"]),
+    "max_seq_len": (lambda run: run.args.max_seq_len, ["--max-seq-len"]),
+    "model": (lambda run: run.model_name, ["--model"]),
+    "precision": (lambda run: run.strategy.precision, ["--precision"]),
 }
-# The optimizer's settings that come from APPLIED options, by parameter group: a resume puts them back
+LAYOUT_OPTIONS = ["--zero-stage", "--offload", "--fabric-strategy"]  # those of strategy.checkpoint_layout()'s keys
+# A resume refuses changing the options a step's meaning comes from, and applies every other from the resumed
+# step on (docs/running.md's table; test_resume.py checks both against the scripts). The learning rate is
+# constant (no schedule to restore), so a new --lr is the user's choice for the steps to come, as after a loss
+# spike; --lr and --weight-decay go into the restored optimizer, and a change is named. --deepspeed-config: what
+# it sets of the refused ones is compared as those. What a resume restores is no option: the weights, the
+# optimizer's moments, the step, every process's random states, a gradient scaler's scale.
+REFUSED_ON_RESUME = [option for _, options in STEP_MEANING.values() for option in options] + LAYOUT_OPTIONS
+# The optimizer's settings that come from applied options, by parameter group: a resume puts them back
 # into the optimizer it restored.
 OPTIMIZER_OPTIONS = {"lr": "--lr", "weight_decay": "--weight-decay"}
 
 
 def meaning(trainer):
-    """What a step of this run means: a checkpoint resumes only into a run where all of it is equal
-    (the precision too: an fp16 run's checkpoint holds a gradient scaler, DeepSpeed's 16-bit weights),
-    and only into the script that wrote it (its files are its strategy's)."""
-    args, strategy = trainer.args, trainer.strategy
-    return {"script": script_name(), "world_size": strategy.world_size, "batch_size_per_process": args.batch_size,
-            "global_batch_size": trainer.global_batch_size, "gradient_accumulation_steps": args.grad_accum,
-            "data": str(Path(args.data).resolve()), "max_samples": args.max_samples, "dev_ratio": args.dev_ratio,
-            "seed": args.seed, "shuffle": not args.no_shuffle, "group_by_length": args.group_by_length,
-            "max_seq_len": args.max_seq_len, "model": trainer.model_name, "precision": strategy.precision,
-            **strategy.checkpoint_layout()}
+    """What a step of this run means (STEP_MEANING), and the script that wrote it (its files are its strategy's)."""
+    return {"script": script_name(), **{key: value(trainer) for key, (value, _) in STEP_MEANING.items()},
+            **trainer.strategy.checkpoint_layout()}
 
 
 def script_name():
@@ -105,10 +103,10 @@ def save(trainer, step):
 
 def resume(trainer):
     """With --resume, restore the checkpoint in --output-dir (choose()) and return its step, else 0;
-    the APPLIED settings are this command line's. Rank 0 chooses; every process must be able to read
+    the applied settings are this command line's. Rank 0 chooses; every process must be able to read
     what it chose. What a resume checks, and refuses in one line before any training: the script that
     wrote the checkpoint is this one (choose), its meaning.json is this run's meaning() in every
-    REFUSED setting, the training state it loads records the same (check_agrees), and every process
+    refused setting, the training state it loads records the same (check_agrees), and every process
     reads the folder rank 0 chose."""
     checkpoint, strategy = trainer.output_dir / "checkpoint", trainer.strategy
     if not trainer.args.resume:
@@ -247,7 +245,7 @@ class SaveOnSignal(Callback):
         told = strategy.reduce_mean(torch.tensor(float(self.received is not None), device=strategy.device))
         if told.item() > 0:
             save(trainer, step)
-            raise UserError(f"stopped by {self.received or 'a signal to another process'} after step {step}: "
+            raise StoppedAfterSaving(f"stopped by {self.received or 'a signal to another process'} after step {step}: "
                             f"checkpoint saved in {trainer.output_dir / 'checkpoint'}; --resume continues from it")
 
     def on_result(self, trainer, result):

@@ -8,10 +8,18 @@ class UserError(Exception):
     Most are found by every process alike, and rank 0 speaks for all; one that only some processes
     meet (`only_this_rank=True`) is reported by each of them.
     """
+    status = 2  # the exit status, argparse's for a bad option
 
     def __init__(self, message, only_this_rank=False):
         super().__init__(message)
         self.only_this_rank = only_this_rank
+
+
+class StoppedAfterSaving(UserError):
+    """--save-on-signal's stop: the checkpoint is saved and --resume continues. Its status is sysexits.h's
+    EX_TEMPFAIL, "try again later": not 0, so a scheduler or launcher sees the run unfinished (and may
+    requeue it), and not a bad option's 2."""
+    status = 75
 
 
 def first_cause(error):

@@ -29,7 +29,7 @@ def staged_dir(path):
 # What a save writes beside its target, named with its process id: .NAME.tmp-PID (the new contents) and
 # .NAME.old-PID (the old, being removed); .NAME.staging is a collective save's, named alike in every process.
 STAGED_NAME = re.compile(r"\.(.+)\.(?:(?P<role>tmp|old)-(?P<pid>\d+)|staging)")
-# The record of a run's staging: the lock file of the folder it holds (cli.py), whose first line names the
+# The record of a run's staging: the lock file of the folder it holds (folder.py), whose first line names the
 # holding process and whose other lines the staging names the run made there, each before making it. Only
 # what a dead run recorded is ever renamed or removed: a name alike that the suite did not write stays.
 RECORD_FILE = ".lock"

@@ -1,5 +1,5 @@
 """How a launcher (or Slurm's srun) told this process its place in the job: its rank, the world size,
-its local rank and the processes on its machine; and how the job stops. Imports nothing heavy, as cli.py."""
+its local rank and the processes on its machine; and how the job stops. Imports nothing heavy, as options.py."""
 import ctypes
 import multiprocessing
 import os

@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
-from .cli import DEFAULT_LR, ROOT, check_max_seq_len
+from .options import DEFAULT_LR, ROOT, check_max_seq_len
 from .errors import UserError
 from .task import base_shape_config
 
@@ -217,8 +217,6 @@ def compile_options(args, strategy):
             raise UserError(f"--compile-mode reduce-overhead: {strategy.name} updates gradients or weights in "
                             "hooks between the compiled kernels, which recorded CUDA graphs would not follow; "
                             "CUDA graphs run with single-gpu-cls.py and the DDP scripts")
-    if args.compile_dynamic == "auto":  # resolved once, for result.json too
-        args.compile_dynamic = "static" if args.pad_to_multiple_of > 1 else "dynamic"
     static = args.compile_dynamic == "static"
     if not static or strategy.world_size == 1:
         # DDP's graph splitter (a graph per gradient bucket) with dynamic shapes fails in torch 2.11's

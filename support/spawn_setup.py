@@ -6,7 +6,7 @@ import socket
 import sys
 import time
 
-from .errors import UserError
+from .errors import StoppedAfterSaving, UserError
 from .launch import refuse_a_port_in_use
 
 # Seconds the other processes get to stop on their own after a failure before they are killed; and
@@ -25,25 +25,28 @@ def add_launch_args(parser):
     parser.add_argument("--master-port", type=int, metavar="PORT", help="rendezvous port (default: a free one)")
 
 
+def launch_defaults(args, gpus):
+    """The launch options' defaults, which depend on the machine (its `gpus`): options.resolve's part for them."""
+    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        raise UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
+                        "of the --node-rank 0 machine) and --master-port")
+    return {"nprocs": (gpus or 2) if args.nprocs is None else args.nprocs,
+            "master_addr": args.master_addr or "127.0.0.1",
+            "master_port": free_port() if args.master_port is None else args.master_port}
+
+
 def check_launch(args, gpus):
-    """Fill in the defaults that depend on the machine (its `gpus`) and refuse launches that cannot meet."""
-    if args.nprocs is None:
-        args.nprocs = gpus or 2
+    """Refuse launches that cannot meet, before any process starts."""
     if args.nprocs < 1 or args.nnodes < 1:
         raise UserError("--nprocs and --nnodes must be at least 1")
     if gpus and args.nprocs > gpus and args.backend != "gloo":
         raise UserError(f"--nprocs {args.nprocs} asks for more processes than this machine's {gpus} GPUs; "
-                            "--backend gloo lets them share the GPUs")
+                        "--backend gloo lets them share the GPUs")
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank must be between 0 and {args.nnodes - 1}, got {args.node_rank}")
-    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
-        raise UserError("with --nnodes > 1 every machine needs the same --master-addr (the address "
-                            "of the --node-rank 0 machine) and --master-port")
-    args.master_addr = args.master_addr or "127.0.0.1"
-    if args.master_port is None:
-        args.master_port = free_port()
-    elif args.node_rank == 0:
-        refuse_a_port_in_use(args.master_port, "--master-port", "name another, or leave it out to get a free one")
+    if args.node_rank == 0:
+        refuse_a_port_in_use(int(args.master_port), "--master-port",
+                             "name another, or leave it out to get a free one")
 
 
 def free_port():
@@ -59,19 +62,19 @@ def wait_for(processes, first_failure, args):
     """Wait for the processes of `mp.start_processes(..., join=False)`. If one fails, the others get a
     grace period, then are stopped, and the job ends naming the first rank that failed; if the job is
     interrupted (Ctrl-C, or SIGTERM or SIGUSR1 from a scheduler), they are stopped before the script
-    exits, with their status 2 where they stopped after saving (--save-on-signal: they said so)."""
+    exits, with their status where they stopped after saving (--save-on-signal: they said so)."""
     import torch.multiprocessing as mp
     try:
         while not processes.join(grace_period=SHUTDOWN_GRACE_SECONDS):
             pass
     except KeyboardInterrupt:
         stop(processes.processes, args.node_rank * args.nprocs)
-        if 2 in [process.exitcode for process in processes.processes]:
-            raise SystemExit(2) from None
+        if StoppedAfterSaving.status in [process.exitcode for process in processes.processes]:
+            raise SystemExit(StoppedAfterSaving.status) from None
         raise
     except mp.ProcessExitedException as error:
-        if error.exit_code == 2:  # a user error: the process has already said what to fix
-            raise SystemExit(2) from None
+        if error.exit_code in (UserError.status, StoppedAfterSaving.status):  # the process has said why
+            raise SystemExit(error.exit_code) from None
         rank = first_failure.value if first_failure.value >= 0 else args.node_rank * args.nprocs + error.error_index
         cause = f"killed by {error.signal_name}" if error.signal_name else f"exit code {error.exit_code}"
         raise SystemExit(f"error: rank {rank} failed ({cause}); the other processes were stopped") from None

@@ -255,10 +255,10 @@ def test_a_second_run_into_the_same_output_dir_is_refused_naming_the_first(tmp_p
     it with its holder, so a lock file left by a run that crashed stops nobody. A folder in what a
     running run replaces at its next save (its model/ here), or holding such a run, is refused too."""
     import fcntl
-    from support import cli
+    from support.folder import LOCK_FILE
     folder = tmp_path / "model"
     folder.mkdir()
-    with open(folder / cli.LOCK_FILE, "w", encoding="utf-8") as first:
+    with open(folder / LOCK_FILE, "w", encoding="utf-8") as first:
         fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
         first.write("the run of pid 4242 on somehost")
         first.flush()
@@ -323,7 +323,8 @@ def test_a_process_alone_in_its_world_is_rank_0_whatever_rank_it_is_given(tmp_pa
     A script that never runs in a group (launch.in_a_group) believes no RANK, whatever WORLD_SIZE says."""
     import fcntl
     from support import cli, launch
-    with open(tmp_path / cli.LOCK_FILE, "w", encoding="utf-8") as first:
+    from support.folder import LOCK_FILE
+    with open(tmp_path / LOCK_FILE, "w", encoding="utf-8") as first:
         fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
         for stray in ({"RANK": "1"}, {"RANK": "1", "WORLD_SIZE": "2"}):
             assert_clean_error(train("--output-dir", tmp_path, data="no-such-file.json", env=stray),

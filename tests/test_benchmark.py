@@ -15,7 +15,7 @@ import benchmark
 from bench import estimate, options, provenance, rows
 from bench import report as bench_report
 from bench import run as bench_run
-from support import cli, files, launching, machine, models
+from support import cli, files, folder, launching, machine, models
 from conftest import (CPU_ONLY, DEV_SAMPLES, PYTHON, ROOT, SAMPLES, processes_mentioning, read_result, run,
                       run_in_process)
 
@@ -316,7 +316,7 @@ def test_an_output_dir_that_is_a_file_or_in_use_is_refused_in_one_line(tmp_path)
     assert process.returncode == 2 and process.stderr == f"error: --output-dir {path} is a file, not a folder\n"
     # The runner locks its folder as the scripts do: a second one would replace the report and the row logs.
     import fcntl
-    with open(tmp_path / cli.LOCK_FILE, "w", encoding="utf-8") as first:
+    with open(tmp_path / folder.LOCK_FILE, "w", encoding="utf-8") as first:
         fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
         process = run_in_process(["benchmark.py", "--only", "single", "--output-dir", str(tmp_path)], env=CPU_ONLY)
     assert process.returncode == 2 and process.stderr == (f"error: --output-dir {tmp_path} is in use by another run: "
@@ -737,9 +737,9 @@ def test_the_report_presents_from_the_report_alone():
 
 
 def test_the_runner_plans_without_torch():
-    """benchmark.py plans from cli.py, files.py and task.py alone, --real-size's memory check included (the
-    task's labels, base-shape's config): torch, and the modules that import it, load only for the run
-    (timing a step, describing the machine, resolving the model)."""
+    """benchmark.py plans from support's cli, options, folder, files and task alone, --real-size's memory check
+    included (the task's labels, base-shape's config): torch, and the modules that import it, load only for the
+    run (timing a step, describing the machine, resolving the model)."""
     plan = ("import sys, benchmark; from bench import estimate, options; "
             "cells = options.plan(options.parse_args(['--nprocs', '1,2'], gpus=0), gpus=0); "
             "real = options.parse_args(['--real-size'], gpus=0); "

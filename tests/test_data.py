@@ -13,7 +13,7 @@ RECORDS = common.load_records(ROOT / "data" / "train.json")
 
 def args(**overrides):
     values = dict(batch_size=4, grad_accum=1, no_shuffle=False, group_by_length=False, seed=123, num_workers=0,
-                  pad_to_multiple_of=None)
+                  pad_to_multiple_of=1)
     return types.SimpleNamespace(**{**values, **overrides})
 
 

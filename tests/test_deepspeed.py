@@ -143,6 +143,7 @@ def test_a_resume_takes_the_newest_complete_step_when_latest_names_none(tmp_path
     import common
     from libraries import deepspeed_setup
     from support import checkpoints, cli
+    from support.options import build_parser
     lesson = runpy.run_path(SCRIPT)
 
     class OneProcess(lesson["DeepSpeed"]):
@@ -154,7 +155,7 @@ def test_a_resume_takes_the_newest_complete_step_when_latest_names_none(tmp_path
         (checkpoint / "step8" / "mp_rank_00_model_states.pt").write_bytes(b"")  # the engine's files, `latest`
     (checkpoint / "latest").write_text("step12", encoding="utf-8")
     strategy = OneProcess("cpu", 0, 2, 2, "fp32", {"zero_optimization": {"stage": 2}})
-    run = SimpleNamespace(args=cli.build_parser(SCRIPT, "").parse_args(["--resume"]), output_dir=tmp_path,
+    run = SimpleNamespace(args=build_parser(SCRIPT, "").parse_args(["--resume"]), output_dir=tmp_path,
                           strategy=strategy, global_batch_size=64, model_name="tiny", log=print)
     for step12 in ("missing", "without its meaning.json"):
         written = f"^--resume: the checkpoint in {checkpoint / 'step8'} was written with"

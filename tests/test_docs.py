@@ -1076,7 +1076,7 @@ def test_fast_commands_run(commands, helps):
 
 LESSONS = sorted(path.name for path in ROOT.glob("*-cls.py"))
 # The groups a lesson's --help lists, in this order: its strategy's own options (what it takes beyond
-# single-gpu-cls.py's) first, then the shared ones (support/cli.py).
+# single-gpu-cls.py's) first, then the shared ones (support/options.py).
 STRATEGY_GROUP = "this strategy's options (beyond single-gpu-cls.py's)"
 SHARED_GROUPS = ["model, data and output", "training", "checkpoints", "speed", "measurement", "help"]
 # What a first run sets, so on the first screen: the model (tiny, offline) and the data it reads, where it

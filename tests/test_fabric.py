@@ -10,6 +10,7 @@ import transformers
 
 import common
 from support import cli, machine
+from support.options import build_parser, resolve
 import hooks
 from support import models
 from conftest import (BIN, DEV_SAMPLES, EXACT, SMALL, assert_no_process_left, assert_same_weights,
@@ -98,7 +99,7 @@ def test_what_a_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
     # The same check reads what fabric run passes in LT_* variables: fp16 on CPU is refused, where
     # Fabric itself would train in bf16 after a warning.
     from libraries import fabric_setup  # here: lightning_fabric is checked for first (fabric_installed)
-    parser = cli.build_parser(SCRIPT, "")
+    parser = build_parser(SCRIPT, "")
     fabric_setup.add_fabric_args(parser)
     refusals = [([], {"LT_PRECISION": "16-mixed"}, "--precision fp16 needs a GPU"),
                 (["--precision", "fp16"], {}, "--precision fp16 needs a GPU"),
@@ -126,7 +127,7 @@ def test_fabric_leaves_the_epoch_of_the_suites_sampler_to_the_trainer():
     train, _ = small_split()
     tokenizer, _ = models.build_tiny_model([text for text, _ in train], 123, {"num_labels": 6})
     dataset = common.EncodedDataset(train, tokenizer, 128)
-    args = cli.build_parser(SCRIPT, "").parse_args(["--batch-size", "16"])
+    args = resolve(build_parser(SCRIPT, "").parse_args(["--batch-size", "16"]))
     loader = Fabric(accelerator="cpu", devices=1).setup_dataloaders(
         common.make_loader(dataset, args, tokenizer, common.train_sampler(dataset, args, 2, 1)),
         use_distributed_sampler=False)

@@ -100,13 +100,13 @@ def test_the_model_gets_a_mask_it_need_not_read_back(monkeypatch):
     assert reads == [] and torch.equal(prepared.logits, unprepared)
 
 
-def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(tmp_path, monkeypatch):
+def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(monkeypatch):
     """--compile-mode reduce-overhead: on a CPU, and for the strategies whose hooks move gradients or
     weights between the compiled kernels; the rest compile with it."""
     from support import cli, models
-    args = cli.build_parser("single-gpu-cls.py", "").parse_args(["--compile-mode", "reduce-overhead",
-                                                                  "--output-dir", str(tmp_path)])
-    args.pad_to_multiple_of = 16
+    from support.options import build_parser, resolve
+    args = resolve(build_parser("single-gpu-cls.py", "").parse_args(["--compile-mode", "reduce-overhead",
+                                                                    "--pad-to-multiple-of", "16"]))
     cuda = torch.device("cuda", 0)
     for device, name, problem in [(torch.device("cpu"), "single-device", "which need a GPU"),
                                   (cuda, "fsdp2", "fsdp2 updates gradients or weights in hooks"),
@@ -123,7 +123,7 @@ def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run(tmp_path, mon
     assert torch._dynamo.config.optimize_ddp is True
     models.compile_options(args, SimpleNamespace(device=cuda, name="ddp", world_size=1))
     assert torch._dynamo.config.optimize_ddp is False
-    assert cli.check_args(args).compile is True  # the mode implies --compile
+    assert args.compile is True  # the mode implies --compile
 
 
 def deepspeed_args(config=None):

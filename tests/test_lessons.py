@@ -7,6 +7,7 @@ script instead of common.py or support/) grows its diff past the budget here, an
 a budget only when the lesson itself grew.
 """
 import ast
+import pickle
 import subprocess
 
 import pytest
@@ -139,3 +140,81 @@ def test_no_function_outside_the_tests_is_past_a_screen():
                 if length > MAX_FUNCTION_LINES:
                     too_long[f"{path}: {node.name}"] = length
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+# Where a parsed option may be written: the runner's and the GPU check's own parsers decide their
+# defaults in their parse step (bench/options.py, scripts/gpu_plan.py); the scripts' options are written
+# nowhere: support/options.resolve builds a new record, which refuses writes.
+RESOLVE_STEPS = {"bench/options.py": {"parse_args", "check_runner_args", "apply_real_size"},
+                 "scripts/gpu_plan.py": {"parse", "check_numbers"}}
+
+
+def holds_options(node):
+    """Whether `node` names a record of parsed options: `args`, or `something.args`."""
+    return (isinstance(node, ast.Name) and node.id == "args") or (isinstance(node, ast.Attribute)
+                                                                   and node.attr == "args")
+
+
+def option_writes(tree):
+    """(line, function) of every write to a parsed option in `tree`: `args.x = ...` (augmented, annotated,
+    in a tuple, deleted), setattr/delattr(args, ...), and writes through vars(args) or args.__dict__."""
+    writes = []
+
+    def targets(node):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            return node.targets
+        return [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+
+    def written(target):
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return any(written(element) for element in target.elts)
+        if isinstance(target, ast.Starred):
+            return written(target.value)
+        if isinstance(target, ast.Subscript):  # vars(args)[name] = ..., args.__dict__[name] = ...
+            inner = target.value
+            return (isinstance(inner, ast.Call) and getattr(inner.func, "id", None) == "vars" and inner.args
+                    and holds_options(inner.args[0])) or (isinstance(inner, ast.Attribute)
+                                                          and inner.attr == "__dict__" and holds_options(inner.value))
+        return isinstance(target, ast.Attribute) and holds_options(target.value)
+
+    def visit(node, function):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        calls_setattr = (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr", "delattr")
+                         and node.args and holds_options(node.args[0]))
+        if calls_setattr or any(written(target) for target in targets(node)):
+            writes.append((node.lineno, function))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(tree, None)
+    return writes
+
+
+def test_no_option_is_written_after_it_is_resolved():
+    """What a run did is what options.resolve decided, before any work: no module writes an option."""
+    found = [f"{path}:{line} in {function}" for path in product_files()
+             for line, function in option_writes(ast.parse((ROOT / path).read_text(encoding="utf-8")))
+             if function not in RESOLVE_STEPS.get(str(path), ())]
+    assert not found, f"options written after they are resolved: {found}"
+    planted = "def f(args, run):\n    args.a = 1\n    args.b += 1\n    run.args.c, d = 1, 2\n    " \
+              "setattr(args, 'e', 1)\n    vars(args)['f'] = 1\n    del args.g\n    args.h.append(1)\n"
+    assert [line for line, _ in option_writes(ast.parse(planted))] == [2, 3, 4, 5, 6, 7]
+
+
+def test_the_resolved_options_refuse_writes():
+    """The record options.resolve returns (the runner's too) cannot be written, even by mistake, and
+    crosses to spawned processes as it is."""
+    from bench import options as runner_options
+    from support import options
+    args = options.resolve(options.build_parser("single-gpu-cls.py", "").parse_args(["--device", "cpu"]))
+    assert (args.pad_to_multiple_of, args.compile_dynamic, args.compile) == (1, "dynamic", False)
+    with pytest.raises(AttributeError, match="--pad-to-multiple-of is resolved once"):
+        args.pad_to_multiple_of = 16
+    with pytest.raises(AttributeError, match="--lr is resolved once"):
+        setattr(args, "lr", 1.0)
+    with pytest.raises(AttributeError):
+        del args.seed
+    assert pickle.loads(pickle.dumps(args)) == args
+    with pytest.raises(AttributeError, match="--repeat is resolved once"):
+        runner_options.parse_args([], gpus=0).repeat = 2

@@ -52,8 +52,8 @@ NEEDS = {"horovodrun": "horovod", "deepspeed": "deepspeed", "accelerate launch":
 # --save-steps' are: it is resumed once per kind of save (whole under the legacy launcher, DeepSpeed's
 # under its command, collective under fabric run); test_resume.py resumes the others' strategies
 # under the same launchers (single, spawn, torchrun, horovodrun, accelerate launch).
-SIGNALLED = [("python", "SIGTERM", "group", 2, False), ("python dataparallel", "SIGUSR1", "launcher", 2, False),
-             ("python spawn", "SIGUSR1", "launcher", 2, False), ("python spawn", "SIGTERM", "group", 2, False),
+SIGNALLED = [("python", "SIGTERM", "group", 75, False), ("python dataparallel", "SIGUSR1", "launcher", 75, False),
+             ("python spawn", "SIGUSR1", "launcher", 75, False), ("python spawn", "SIGTERM", "group", 75, False),
              ("torchrun", "SIGTERM", "launcher", 1, False), ("torchrun", "SIGUSR1", "launcher", -10, False),
              ("torch.distributed.launch", "SIGTERM", "group", 1, False),
              ("torch.distributed.launch", "SIGUSR1", "launcher", -10, True),

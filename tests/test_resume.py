@@ -14,6 +14,7 @@ import pytest
 import common
 from support import checkpoints, models
 from support.errors import UserError
+from support.options import resolve
 from conftest import (BIN, ONE_PROCESS, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_curves,
                       read_result, require, run, run_here, run_in_process)
 from test_bad_input import assert_clean_error
@@ -191,14 +192,14 @@ def another(value):
 
 
 def test_every_option_is_restored_applied_or_refused_as_running_md_says(monkeypatch):
-    """checkpoints.ON_RESUME names each option of every script that resumes; meaning() (what a resume
+    """checkpoints.REFUSED_ON_RESUME names options of the scripts that resume; meaning() (what a resume
     must keep) changes with each refused option it reads from the command line and with no applied one;
     docs/running.md's table says the same."""
     parsers = script_parsers(monkeypatch)
     options = {action.option_strings[0] for parser in parsers for action in parser._actions
                if action.option_strings and action.dest != "help"}
-    assert options == set(checkpoints.ON_RESUME)
-    refused = {option for option, rule in checkpoints.ON_RESUME.items() if rule == checkpoints.REFUSED}
+    refused = set(checkpoints.REFUSED_ON_RESUME)
+    assert refused <= options
     # Compared as the run resolves them: the model's name, the processes, the strategy's precision and layout.
     resolved = {"--model", "--nprocs", "--nnodes", "--precision", "--zero-stage", "--offload", "--fabric-strategy"}
     assert resolved <= refused
@@ -206,7 +207,7 @@ def test_every_option_is_restored_applied_or_refused_as_running_md_says(monkeypa
     def run_with(args):
         return SimpleNamespace(args=args, strategy=common.Strategy("cpu"), global_batch_size=32, model_name="tiny")
     for parser in parsers:
-        args = parser.parse_args([])
+        args = resolve(parser.parse_args([]))  # as a run reads them
         for action in parser._actions:
             if action.option_strings and action.dest != "help" and action.option_strings[0] not in resolved:
                 changed = argparse.Namespace(**{**vars(args), action.dest: another(getattr(args, action.dest))})
@@ -216,7 +217,7 @@ def test_every_option_is_restored_applied_or_refused_as_running_md_says(monkeypa
     table = {line.split("|")[1].strip(): set(re.findall(r"`(--[a-z0-9-]+)`", line))
              for line in page.splitlines() if line.startswith("| ")}
     assert table["refuses changing"] == refused
-    assert table["applies"] and table["applies"] <= set(checkpoints.ON_RESUME) - refused
+    assert table["applies"] and table["applies"] <= options - refused
 
 
 def test_a_resume_applies_a_new_learning_rate_and_names_it(tmp_path, crashed_run):

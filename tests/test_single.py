@@ -5,7 +5,8 @@ import transformers
 
 import common
 from instruments import flops
-from support import cli, models
+from support import models
+from support.options import build_parser
 from conftest import (DEV_SAMPLES, PYTHON, SMALL, assert_same_weights, load_weights, predict_dev_accuracy,
                       read_curves, read_result, run, run_in_process, small_split)
 
@@ -115,7 +116,7 @@ def test_gradient_checkpointing_is_switched_on_and_trains_the_same_weights(profi
     """Recomputing the activations in backward saves memory, not results: the profiled runner run's
     one-device row (16 x 2 micro-batches, --gradient-checkpointing) ends with the weights of the
     reference at batch 32, and the model really checkpoints."""
-    args = cli.build_parser("single-gpu-cls.py", "").parse_args(["--model", "tiny", "--gradient-checkpointing"])
+    args = build_parser("single-gpu-cls.py", "").parse_args(["--model", "tiny", "--gradient-checkpointing"])
     train, _ = small_split()
     _, model, _, _ = models.load_model(args, [text for text, _ in train], "tiny", common.LABELS)
     assert model.is_activation_checkpointing
