@@ -61,6 +61,7 @@ os.environ.setdefault("HOROVOD_CYCLE_TIME", "20")
 
 from support.launch import STOP_SIGNALS  # noqa: E402
 from support.spawn_setup import free_port  # noqa: E402  (a launch never meets the rendezvous of an earlier one)
+import warm  # noqa: E402
 
 
 def require(module):
@@ -469,7 +470,7 @@ sys.addaudithook(_count_launches)
 
 def _cpu_seconds():
     used = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return sum(usage.ru_utime + usage.ru_stime for usage in used)
+    return sum(usage.ru_utime + usage.ru_stime for usage in used) + warm.cpu_seconds()  # warm's ranks too
 
 
 @pytest.hookimpl(hookwrapper=True)
