@@ -258,9 +258,9 @@ def once_per_session(tmp_path_factory, name, launch):
 
 
 def single_run(tmp_path_factory, batch_size, *options):
-    def launch(output):
-        run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", str(batch_size), *options,
-             "--output-dir", str(output)])
+    def launch(output):  # warm: test_single.py's run is the one `python single-gpu-cls.py` launches
+        warm.run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", str(batch_size), *options,
+                  "--output-dir", str(output)])
         return output
     return once_per_session(tmp_path_factory, f"single-reference-{batch_size}", launch)
 
