@@ -86,7 +86,9 @@ def test_a_hang_is_killed_at_the_timeout(tmp_path):
 def test_what_it_cannot_give_is_refused():
     with pytest.raises(ValueError, match="does not emulate horovodrun"):
         warm.run([BIN / "horovodrun", "-np", "2", "python", "script.py"])
-    with pytest.raises(ValueError, match="the launcher option __nnodes"):
+    with pytest.raises(ValueError, match="the launcher option --nnodes"):
         warm.run([BIN / "torchrun", "--nnodes", "2", "script.py"])
+    with pytest.raises(ValueError, match="does not emulate python"):
+        warm.run([BIN / "python", "-m", "torch.distributed.launch", "script.py"])
     with pytest.raises(ValueError, match="read when the preloaded libraries are imported"):
         warm.run([BIN / "torchrun", "script.py"], env={"HF_HUB_OFFLINE": "1"})

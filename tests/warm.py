@@ -10,6 +10,7 @@ this project: each run imports common and support/ under its own environment, as
 Launchers whose libraries need their own environment (horovodrun, deepspeed, fabric run) and the spawn
 scripts, which start their own ranks, launch as before (conftest.run)."""
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -24,17 +25,16 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# What every script imports, loaded once in the forkserver. Not DeepSpeed, which picks its accelerator
-# from the environment when imported (DS_ACCELERATOR), nor Accelerate or Fabric, which read theirs.
+# What every script imports, loaded once in the forkserver (transformers brings Accelerate, which reads its
+# environment when used). Not DeepSpeed, which picks its accelerator when imported (DS_ACCELERATOR).
 PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_layers", "transformers.activations",
            "transformers.models.bert.modeling_bert", "sklearn.metrics", "torch.utils.tensorboard"]
 # Variables the preloaded libraries read when imported (huggingface_hub's offline mode...): a run that
 # sets them differently must start a fresh Python.
 READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_")
-# What torchrun gives rank `rank` of `processes` on one machine, beyond what it passes on; OMP_NUM_THREADS
-# only where unset. Its agent hosts the rendezvous store for the ranks (TORCHELASTIC_USE_AGENT_STORE):
-# here rank 0 hosts it, as under the legacy launcher.
+# What torchrun sets where unset, with several processes.
 TORCHRUN_DEFAULTS = {"OMP_NUM_THREADS": "1"}
+# What accelerate launch adds to torchrun's.
 ACCELERATE = {"ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_DYNAMO_MODE": "default",
               "ACCELERATE_DYNAMO_USE_DYNAMIC": "False", "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
               "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False"}
@@ -45,6 +45,9 @@ _server = {}
 
 
 def torchrun_environment(rank, processes, port):
+    """What torchrun gives rank `rank` of `processes` on one machine, beyond what it passes on. Its agent
+    hosts the rendezvous store for the ranks (TORCHELASTIC_USE_AGENT_STORE): here rank 0 hosts it, as
+    under the legacy launcher."""
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(processes),
             "LOCAL_WORLD_SIZE": str(processes), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
             "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1",
@@ -58,13 +61,14 @@ def options(arguments, known, flags=()):
     script and its arguments). An option this module does not emulate is refused: launch that run."""
     found, rest = {}, list(map(str, arguments))
     while rest and rest[0].startswith("--"):
-        name = rest.pop(0).replace("-", "_")
+        option = rest.pop(0)
+        name = option.replace("-", "_")
         if name in flags:
             found[name] = True
         elif name in known:
             found[name] = rest.pop(0)
         else:
-            raise ValueError(f"warm.run does not emulate the launcher option {name}: launch it (conftest.run)")
+            raise ValueError(f"warm.run does not emulate the launcher option {option}: launch it (conftest.run)")
     return found, rest
 
 
@@ -72,8 +76,8 @@ def plan(command):
     """(script and its arguments, each rank's launcher environment) for `command`."""
     program, *arguments = command
     name = Path(program).name
-    if name.startswith("python"):
-        return arguments, [{}]
+    if name.startswith("python") and not str(arguments[0]).startswith("-"):
+        return list(map(str, arguments)), [{}]
     if name == "torchrun":
         found, rest = options(arguments, {"__nproc_per_node", "__master_port"}, {"__standalone"})
         extra = {}
@@ -150,12 +154,14 @@ def rank_main(arguments, environment, log):
 
 
 def stop(processes, number):
+    """Signal each rank still running, and what it started (its session: rank_main)."""
     for process in processes:
         if process.exitcode is None:
             try:
                 os.killpg(process.pid, number)
-            except ProcessLookupError:
-                pass
+            except ProcessLookupError:  # not yet in a session of its own, or gone
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, number)
 
 
 def wait(processes, timeout):
