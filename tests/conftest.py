@@ -375,6 +375,9 @@ ONE_PROCESS = ("single", "dataparallel")
 CRASHING = {"deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
                                   "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--device", "cpu",
                                   "--batch-size", "16"]}
+# Warm (tests/warm.py), their launchers proven elsewhere: the resumes under torchrun and accelerate launch
+# (whose crashed runs, launched, test_native.py and test_reliability.py read), single's crash.
+WARM_RESUMES, WARM_CRASHES = ("ddp", "fsdp", "deepspeed", "accelerate"), ("single",)
 CrashedRun = collections.namedtuple("CrashedRun", "process seconds orphans output")
 
 
@@ -390,8 +393,9 @@ def crashed_run(tmp_path_factory):
         def launch(output):
             failing_rank = 0 if strategy in ("single", "dataparallel") else 1
             started = time.monotonic()
-            process = run([*CRASHING.get(strategy, RESUMABLE[strategy])(), *RESUME, "--output-dir", str(output)],
-                          check=False, env={"SUITE_FAIL_AT": f"{failing_rank}:10"})
+            process = (warm.run if strategy in WARM_CRASHES else run)(
+                [*CRASHING.get(strategy, RESUMABLE[strategy])(), *RESUME, "--output-dir", str(output)],
+                check=False, env={"SUITE_FAIL_AT": f"{failing_rank}:10"})
             seconds = time.monotonic() - started
             deadline = time.monotonic() + 10
             while processes_mentioning(str(output)) and time.monotonic() < deadline:
@@ -416,7 +420,7 @@ def resumed_run(tmp_path_factory, crashed_run):
             command = [*RESUMABLE[strategy](), *RESUME, "--output-dir", str(output), "--resume"]
             if strategy in ONE_PROCESS:
                 return run_here(command), output
-            return run(command, env=RESUME_ENV.get(strategy, {})), output
+            return (warm.run if strategy in WARM_RESUMES else run)(command, env=RESUME_ENV.get(strategy, {})), output
         return once_per_session(tmp_path_factory, f"resumed-{strategy}", launch)
     return get
 
