@@ -330,7 +330,9 @@ def accumulating_run(tmp_path_factory):
             require(NEEDS[strategy])
 
         def launch(output):
-            return run([*ACCUMULATING[strategy](), *SMALL, *EXACT, "--grad-accum", "2", "--output-dir", str(output)]), output
+            command = [*ACCUMULATING[strategy](), *SMALL, *EXACT, "--grad-accum", "2", "--output-dir", str(output)]
+            # DataParallel's warm (tests/warm.py): its crashed run launches `python` (test_native.py).
+            return (warm.run if strategy == "dataparallel" else run)(command), output
         return once_per_session(tmp_path_factory, f"accumulating-{strategy}", launch)
     return get
 
