@@ -7,7 +7,7 @@ import time
 import pytest
 
 import warm
-from conftest import BIN, free_port, require, run
+from conftest import BIN, PYTHON, free_port, require, run
 
 # A rank that writes its environment and argv to a file, and then does what SUITE_WARM_RANK_<rank> says.
 SCRIPT = """
@@ -59,8 +59,15 @@ def test_each_rank_gets_what_its_launcher_gives_it(tmp_path, launcher):
         assert warmed[rank]["environment"] == launched[rank]["environment"]
 
 
-def test_a_failing_rank_stops_the_others_and_names_itself(tmp_path):
+@pytest.fixture
+def rank_script(tmp_path):
+    """The script in tmp_path, run once warm first: the times below exclude the forkserver's imports."""
     (tmp_path / "rank.py").write_text(SCRIPT)
+    warm.run([PYTHON, tmp_path / "rank.py"])
+    return tmp_path / "rank.py"
+
+
+def test_a_failing_rank_stops_the_others_and_names_itself(tmp_path, rank_script):
     started = time.monotonic()
     process = warm.run([BIN / "torchrun", "--nproc_per_node", "3", tmp_path / "rank.py"], check=False,
                        env={"SUITE_WARM_RANK_0": "sleep", "SUITE_WARM_RANK_1": "sleep", "SUITE_WARM_RANK_2": "fail"})
@@ -72,8 +79,7 @@ def test_a_failing_rank_stops_the_others_and_names_itself(tmp_path):
         warm.run([BIN / "torchrun", "--nproc_per_node", "2", tmp_path / "rank.py"], env={"SUITE_WARM_RANK_1": "exit"})
 
 
-def test_a_hang_is_killed_at_the_timeout(tmp_path):
-    (tmp_path / "rank.py").write_text(SCRIPT)
+def test_a_hang_is_killed_at_the_timeout(tmp_path, rank_script):
     started = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match="still ran after 3 s"):
         warm.run([BIN / "torchrun", "--nproc_per_node", "2", tmp_path / "rank.py"], timeout=3,
@@ -89,6 +95,6 @@ def test_what_it_cannot_give_is_refused():
     with pytest.raises(ValueError, match="the launcher option --nnodes"):
         warm.run([BIN / "torchrun", "--nnodes", "2", "script.py"])
     with pytest.raises(ValueError, match="does not emulate python"):
-        warm.run([BIN / "python", "-m", "torch.distributed.launch", "script.py"])
+        warm.run([PYTHON, "-m", "torch.distributed.launch", "script.py"])
     with pytest.raises(ValueError, match="read when the preloaded libraries are imported"):
         warm.run([BIN / "torchrun", "script.py"], env={"HF_HUB_OFFLINE": "1"})
