@@ -61,6 +61,7 @@ os.environ.setdefault("HOROVOD_CYCLE_TIME", "20")
 
 from support.launch import STOP_SIGNALS  # noqa: E402
 from support.spawn_setup import free_port  # noqa: E402  (a launch never meets the rendezvous of an earlier one)
+import warm  # noqa: E402
 
 
 def require(module):
@@ -257,9 +258,9 @@ def once_per_session(tmp_path_factory, name, launch):
 
 
 def single_run(tmp_path_factory, batch_size, *options):
-    def launch(output):
-        run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", str(batch_size), *options,
-             "--output-dir", str(output)])
+    def launch(output):  # warm: test_single.py's run is the one `python single-gpu-cls.py` launches
+        warm.run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--batch-size", str(batch_size), *options,
+                  "--output-dir", str(output)])
         return output
     return once_per_session(tmp_path_factory, f"single-reference-{batch_size}", launch)
 
@@ -329,7 +330,9 @@ def accumulating_run(tmp_path_factory):
             require(NEEDS[strategy])
 
         def launch(output):
-            return run([*ACCUMULATING[strategy](), *SMALL, *EXACT, "--grad-accum", "2", "--output-dir", str(output)]), output
+            command = [*ACCUMULATING[strategy](), *SMALL, *EXACT, "--grad-accum", "2", "--output-dir", str(output)]
+            # DataParallel's warm (tests/warm.py): its crashed run launches `python` (test_native.py).
+            return (warm.run if strategy == "dataparallel" else run)(command), output
         return once_per_session(tmp_path_factory, f"accumulating-{strategy}", launch)
     return get
 
@@ -374,6 +377,9 @@ ONE_PROCESS = ("single", "dataparallel")
 CRASHING = {"deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
                                   "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--device", "cpu",
                                   "--batch-size", "16"]}
+# Warm (tests/warm.py), their launchers proven elsewhere: the resumes under torchrun and accelerate launch
+# (whose crashed runs, launched, test_native.py and test_reliability.py read), single's crash.
+WARM_RESUMES, WARM_CRASHES = ("ddp", "fsdp", "deepspeed", "accelerate"), ("single",)
 CrashedRun = collections.namedtuple("CrashedRun", "process seconds orphans output")
 
 
@@ -389,8 +395,9 @@ def crashed_run(tmp_path_factory):
         def launch(output):
             failing_rank = 0 if strategy in ("single", "dataparallel") else 1
             started = time.monotonic()
-            process = run([*CRASHING.get(strategy, RESUMABLE[strategy])(), *RESUME, "--output-dir", str(output)],
-                          check=False, env={"SUITE_FAIL_AT": f"{failing_rank}:10"})
+            process = (warm.run if strategy in WARM_CRASHES else run)(
+                [*CRASHING.get(strategy, RESUMABLE[strategy])(), *RESUME, "--output-dir", str(output)],
+                check=False, env={"SUITE_FAIL_AT": f"{failing_rank}:10"})
             seconds = time.monotonic() - started
             deadline = time.monotonic() + 10
             while processes_mentioning(str(output)) and time.monotonic() < deadline:
@@ -415,7 +422,7 @@ def resumed_run(tmp_path_factory, crashed_run):
             command = [*RESUMABLE[strategy](), *RESUME, "--output-dir", str(output), "--resume"]
             if strategy in ONE_PROCESS:
                 return run_here(command), output
-            return run(command, env=RESUME_ENV.get(strategy, {})), output
+            return (warm.run if strategy in WARM_RESUMES else run)(command, env=RESUME_ENV.get(strategy, {})), output
         return once_per_session(tmp_path_factory, f"resumed-{strategy}", launch)
     return get
 
@@ -469,7 +476,7 @@ sys.addaudithook(_count_launches)
 
 def _cpu_seconds():
     used = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return sum(usage.ru_utime + usage.ru_stime for usage in used)
+    return sum(usage.ru_utime + usage.ru_stime for usage in used) + warm.cpu_seconds()  # warm's ranks too
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,4 +1,4 @@
-"""multi-gpu-accelerate-cls.py: 2 CPU processes over gloo, under accelerate launch and under torchrun;
+"""multi-gpu-accelerate-cls.py: 2 CPU processes over gloo, under accelerate launch and (warm) torchrun's environment;
 its checkpoints are Accelerate's save_state, swapped in whole. The accelerate launch runs are conftest's:
 the resumed one (test_resume.py checks that it takes DDP's shuffled global batches, epoch after epoch,
 and ends on the weights of DDP's uninterrupted run) and the accumulating one."""
@@ -11,9 +11,10 @@ import torch
 import transformers
 
 import common
+import warm
 from support import checkpoints
 from conftest import (BIN, DEV_SAMPLES, EXACT, ROOT, SMALL, assert_same_weights, load_weights,
-                      predict_dev_accuracy, read_result, require, run, run_in_process)
+                      predict_dev_accuracy, read_result, require, run_in_process)
 
 SCRIPT = "multi-gpu-accelerate-cls.py"
 EQUIVALENCE = [*EXACT, "--batch-size", "16"]
@@ -68,8 +69,9 @@ def test_config_file_launch_equals_one_device_at_the_same_global_batch(accumulat
 
 
 def test_bf16_under_torchrun_trains_like_fp32(tmp_path, single_reference):
-    run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", SCRIPT, *SMALL, *EQUIVALENCE,
-         "--precision", "bf16", "--output-dir", str(tmp_path)], timeout=600)
+    """Warm (tests/warm.py): torchrun's environment, which names the launcher (test_warm.py checks it)."""
+    warm.run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", SCRIPT, *SMALL, *EQUIVALENCE,
+              "--precision", "bf16", "--output-dir", str(tmp_path)], timeout=600)
     result = read_result(tmp_path)
     assert_accelerate_result(result, "torchrun", global_batch=32)
     assert result["precision"] == "bf16"

@@ -6,6 +6,7 @@ Fabric's is test_fabric.py's FSDP2 run, the Hugging Face Trainer's test_hf_train
 
 import pytest
 
+import warm
 from support import machine
 from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, SMALL, assert_same_weights, assert_sends_what_its_formula_allows,
                       free_port, read_curves, read_result, require, run)
@@ -33,6 +34,9 @@ LAUNCH = {
     "accelerate": lambda: [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "3",
                            "--main_process_port", free_port(), "multi-gpu-accelerate-cls.py", "--device", "cpu"],
 }
+# Warm (tests/warm.py): what these prove is the strategy's arithmetic, not its launcher's (test_native.py,
+# test_deepspeed.py, test_accelerate.py and test_resume.py launch them). Horovod needs horovodrun's own.
+LAUNCHED = {"horovod"}
 NEEDS = {"horovod": "horovod", "deepspeed-zero1": "deepspeed", "deepspeed-zero3": "deepspeed",
          "accelerate": "accelerate"}
 
@@ -42,7 +46,8 @@ def test_three_processes_end_with_the_single_device_weights(tmp_path, single_33,
     if strategy in NEEDS:
         require(NEEDS[strategy])
     # OMP_NUM_THREADS=1, as torchrun and accelerate launch set it: the scripts' own policy decides.
-    run([*LAUNCH[strategy](), *THREE, "--output-dir", str(tmp_path)], env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    (run if strategy in LAUNCHED else warm.run)([*LAUNCH[strategy](), *THREE, "--output-dir", str(tmp_path)],
+                                                env={"OMP_NUM_THREADS": "1"}, timeout=600)
     result = read_result(tmp_path)
     assert result["world_size"] == 3 and result["global_batch_size"] == 33 and result["precision"] == "fp32"
     assert result["compiled"] is (strategy == "ddp")

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import common
+import warm
 from support import cli, machine
 from support.options import build_parser, resolve
 import hooks
@@ -25,10 +26,11 @@ def fabric_installed():
     require("lightning_fabric")
 
 
-def torchrun(processes, *options, env=None, check=True):
-    # OMP_NUM_THREADS=1, as torchrun sets it: the script's own thread policy decides.
-    return run([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *SMALL,
-                *options], env={"OMP_NUM_THREADS": "1", **(env or {})}, check=check, timeout=600)
+def torchrun(processes, *options, env=None, check=True, launch=warm.run):
+    """Warm (tests/warm.py) but where torchrun is the point: a failing rank ends the job. OMP_NUM_THREADS=1,
+    as torchrun sets it: the script's own thread policy decides."""
+    return launch([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *SMALL,
+                   *options], env={"OMP_NUM_THREADS": "1", **(env or {})}, check=check, timeout=600)
 
 
 def test_fabric_run_learns_counts_each_dev_sample_once_and_ends_with_the_single_device_weights(
@@ -81,7 +83,7 @@ def test_fsdp2_on_three_processes_ends_with_the_single_device_weights(tmp_path, 
 
 def test_a_failing_rank_ends_the_whole_job_and_is_named(tmp_path):
     started = time.monotonic()
-    process = torchrun(2, "--output-dir", str(tmp_path), env={"SUITE_FAIL_AT": "1:2"}, check=False)
+    process = torchrun(2, "--output-dir", str(tmp_path), env={"SUITE_FAIL_AT": "1:2"}, check=False, launch=run)
     assert process.returncode != 0
     assert time.monotonic() - started < 240
     assert "error: rank 1 failed: RuntimeError: failure injected by SUITE_FAIL_AT at step 2" in (

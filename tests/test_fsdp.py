@@ -3,16 +3,18 @@ failing-rank checks are in test_equivalence.py, test_resume.py and test_reliabil
 import pytest
 import transformers
 
+import warm
 from conftest import (BIN, DEV_SAMPLES, SMALL, assert_same_weights, assert_sends_what_its_formula_allows, free_port,
                       load_weights,
-                      predict_dev_accuracy, read_result, run, run_in_process, untrained_dev_loss)
+                      predict_dev_accuracy, read_result, run_in_process, untrained_dev_loss)
 
 SCRIPT = "multi-gpu-fsdp-cls.py"
 
 
 def torchrun(*options):
-    return run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), SCRIPT, *SMALL,
-                "--batch-size", "16", *options], timeout=600)
+    """Warm (tests/warm.py): the failing-rank and resume runs launch torchrun (test_reliability.py, test_resume.py)."""
+    return warm.run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), SCRIPT, *SMALL,
+                     "--batch-size", "16", *options], timeout=600)
 
 
 def test_bf16_with_checkpoints_learns_and_saves_a_portable_model(tmp_path):

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import common
+import warm
 from support import machine
 from support.launch import STOP_SIGNALS
 import hooks
@@ -19,9 +20,10 @@ from conftest import (BIN, DEV_SAMPLES, EXACT, PYTHON, ROOT, SMALL, assert_no_pr
 SCRIPT = "multi-gpu-transformers-cls.py"
 
 
-def torchrun(processes, *options, env=None, check=True):
-    return run([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *SMALL,
-                *options], env=env, check=check, timeout=600)
+def torchrun(processes, *options, env=None, check=True, launch=warm.run):
+    """Warm (tests/warm.py) but where torchrun is the point: a failing rank ends the job."""
+    return launch([BIN / "torchrun", "--nproc_per_node", str(processes), "--master_port", free_port(), SCRIPT, *SMALL,
+                   *options], env=env, check=check, timeout=600)
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +71,7 @@ def test_three_processes_end_with_the_single_device_weights_and_count_each_dev_s
 def test_one_process_ends_with_the_single_device_weights(tmp_path, single_reference):
     """python, no launcher: the Trainer on one device, 2 micro-batches of 16 per step against one
     batch of 32 (its accumulation, and the short last step of one micro-batch of 12)."""
-    run([PYTHON, SCRIPT, *SMALL, *EXACT, "--batch-size", "16", "--grad-accum", "2", "--output-dir", str(tmp_path)])
+    warm.run([PYTHON, SCRIPT, *SMALL, *EXACT, "--batch-size", "16", "--grad-accum", "2", "--output-dir", str(tmp_path)])
     result = read_result(tmp_path)
     assert result["launcher"] == "python" and result["world_size"] == 1 and result["steps"] == 11
     assert result["global_batch_size"] == 32 and result["gradient_accumulation_steps"] == 2
@@ -77,7 +79,7 @@ def test_one_process_ends_with_the_single_device_weights(tmp_path, single_refere
 
 
 def test_a_failing_rank_ends_the_job(tmp_path):
-    process = torchrun(2, "--output-dir", str(tmp_path), env={hooks.FAIL_AT_ENV: "1:2"}, check=False)
+    process = torchrun(2, "--output-dir", str(tmp_path), env={hooks.FAIL_AT_ENV: "1:2"}, check=False, launch=run)
     assert process.returncode != 0
     assert "error: rank 1 failed: RuntimeError: failure injected by SUITE_FAIL_AT at step 2" in process.stderr
     assert_no_process_left(str(tmp_path))

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import common
+import warm
 from support import checkpoints, models
 from support.errors import UserError
 from support.options import resolve
@@ -33,7 +34,7 @@ def uninterrupted(tmp_path_factory):
         if name not in runs:
             output = tmp_path_factory.mktemp(f"uninterrupted-{name}")
             command = [*RESUMABLE[name](), *RESUME, "--output-dir", str(output)]
-            (run_here if name in ONE_PROCESS else run)(command)
+            (run_here if name in ONE_PROCESS else warm.run)(command)  # DDP's: warm
             runs[name] = output
         return runs[name]
     return get
