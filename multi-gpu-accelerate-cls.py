@@ -109,36 +109,34 @@ def main():
     mixed_precision = {"fp32": "no"}.get(args.precision, args.precision)
     accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision,
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))])
-    try:
-        # [precision] On CPU Accelerate accepts fp16 but silently trains in fp32: refuse rather than mislabel.
-        precision = {"no": "fp32"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
-        machine.check_precision(precision, accelerator.device)
-        strategy = Accelerate(accelerator, launch.accelerate_launcher(), precision)
-        accelerator.print(f"accelerate: {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
-                          f"mixed precision {accelerator.mixed_precision}")
+    # [leave] cli.run leaves the group on every exit path, failures included, so no process is left waiting.
+    #    That is all accelerator.end_training() would do: this script starts no trackers.
+    # [precision] On CPU Accelerate accepts fp16 but silently trains in fp32: refuse rather than mislabel.
+    precision = {"no": "fp32"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
+    machine.check_precision(precision, accelerator.device)
+    strategy = Accelerate(accelerator, launch.accelerate_launcher(), precision)
+    accelerator.print(f"accelerate: {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
+                      f"mixed precision {accelerator.mixed_precision}")
 
-        data = common.load_data_and_model(args, strategy)
-        model = data.model
-        if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
-            model.compile(**models.compile_options(args, strategy))
+    data = common.load_data_and_model(args, strategy)
+    model = data.model
+    if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
+        model.compile(**models.compile_options(args, strategy))
 
-        # [data] The loaders are sharded as in the DDP script, by this process's index, not by prepare():
-        #    to give every process as many batches, prepare() fills a short last global batch with
-        #    samples from the start of the epoch, which train twice (even_batches=True); with
-        #    even_batches=False the process with more batches waits forever in the all-reduce. Our
-        #    sampler evens them out with repeats that weigh nothing.
-        loaders = common.make_loaders(data, args, accelerator.num_processes, accelerator.process_index)
-        optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
+    # [data] The loaders are sharded as in the DDP script, by this process's index, not by prepare():
+    #    to give every process as many batches, prepare() fills a short last global batch with
+    #    samples from the start of the epoch, which train twice (even_batches=True); with
+    #    even_batches=False the process with more batches waits forever in the all-reduce. Our
+    #    sampler evens them out with repeats that weigh nothing.
+    loaders = common.make_loaders(data, args, accelerator.num_processes, accelerator.process_index)
+    optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
-        # [wrap] One call does the rest of the DDP script's set-up: moves the model to this process's
-        #    device and wraps it in DDP (and in autocast for mixed precision), and wraps the
-        #    optimizer (fp16 loss scaling).
-        model, optimizer = accelerator.prepare(model, optimizer)
+    # [wrap] One call does the rest of the DDP script's set-up: moves the model to this process's
+    #    device and wraps it in DDP (and in autocast for mixed precision), and wraps the
+    #    optimizer (fp16 loss scaling).
+    model, optimizer = accelerator.prepare(model, optimizer)
 
-        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
-    finally:
-        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
-        accelerator.end_training()
+    common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
 
 
 if __name__ == "__main__":

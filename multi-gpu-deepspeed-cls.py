@@ -15,6 +15,7 @@ state across the processes instead of copying it into each: stage 1 splits the o
 stage 2 also the gradients, stage 3 also the weights; stage 0 splits nothing (plain data
 parallelism). Without GPUs the same code runs CPU processes that talk over gloo.
 """
+import atexit
 import contextlib
 import glob
 import shutil
@@ -151,34 +152,31 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)
     deepspeed.init_distributed(machine.backend_for(device), timeout=timedelta(seconds=args.dist_timeout))
-    try:
-        strategy = DeepSpeed(device, rank, world_size, local_world_size, precision, config)
+    # [leave] cli.run leaves the group on every exit path, failures included, so no process is left waiting.
+    atexit.register(deepspeed_setup.remove_shared_memory_buffer, rank)  # at exit, after cli.run has left the group
+    strategy = DeepSpeed(device, rank, world_size, local_world_size, precision, config)
 
-        data = common.load_data_and_model(args, strategy)
-        model = data.model
-        # [wrap] The engine takes DDP's place: it moves the model to the device, casts it to fp16/bf16,
-        #    partitions the optimizer state (stage 1+), gradients (2+) and weights (3), and wraps the
-        #    optimizer, built first: AdamW, or DeepSpeed's CPU Adam when the optimizer is offloaded.
-        optimizer = deepspeed_setup.adamw_or_cpu_adam(model, data.lr, args, config)
-        with deepspeed_setup.config_errors():  # a bad key in the config file: one line, no traceback
-            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        strategy.engine = engine
-        if args.compile:  # DeepSpeed's own: compiles the engine's module in place, so the weights keep their names
-            engine.compile(compile_kwargs=models.compile_options(args, strategy))
-        if strategy.is_main:
-            print(f"DeepSpeed ZeRO stage {strategy.zero_stage}, offload {strategy.offload}, "
-                  f"{precision}: global batch {config['train_batch_size']} = {args.batch_size} per process x "
-                  f"{world_size} processes x {config['gradient_accumulation_steps']} accumulation steps")
+    data = common.load_data_and_model(args, strategy)
+    model = data.model
+    # [wrap] The engine takes DDP's place: it moves the model to the device, casts it to fp16/bf16,
+    #    partitions the optimizer state (stage 1+), gradients (2+) and weights (3), and wraps the
+    #    optimizer, built first: AdamW, or DeepSpeed's CPU Adam when the optimizer is offloaded.
+    optimizer = deepspeed_setup.adamw_or_cpu_adam(model, data.lr, args, config)
+    with deepspeed_setup.config_errors():  # a bad key in the config file: one line, no traceback
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    strategy.engine = engine
+    if args.compile:  # DeepSpeed's own: compiles the engine's module in place, so the weights keep their names
+        engine.compile(compile_kwargs=models.compile_options(args, strategy))
+    if strategy.is_main:
+        print(f"DeepSpeed ZeRO stage {strategy.zero_stage}, offload {strategy.offload}, "
+              f"{precision}: global batch {config['train_batch_size']} = {args.batch_size} per process x "
+              f"{world_size} processes x {config['gradient_accumulation_steps']} accumulation steps")
 
-        # [data] Our own loaders, sharded as DDP's, rather than the ones deepspeed.initialize can build:
-        #    the same samples reach the same ranks in every script, each dev sample is evaluated once.
-        loaders = common.make_loaders(data, args, world_size, rank)
+    # [data] Our own loaders, sharded as DDP's, rather than the ones deepspeed.initialize can build:
+    #    the same samples reach the same ranks in every script, each dev sample is evaluated once.
+    loaders = common.make_loaders(data, args, world_size, rank)
 
-        common.Trainer(args, strategy, engine, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
-    finally:
-        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
-        dist.destroy_process_group()
-        deepspeed_setup.remove_shared_memory_buffer(rank)
+    common.Trainer(args, strategy, engine, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
 
 
 if __name__ == "__main__":

@@ -52,28 +52,25 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(machine.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
-    try:
-        strategy = DDP(device, rank, world_size, local_world_size=local_world_size)
-        if args.local_rank is not None:  # passed by the legacy launcher only
-            strategy.launcher = "torch.distributed.launch"
+    # [leave] cli.run leaves the group on every exit path, failures included, so no process is left waiting.
+    strategy = DDP(device, rank, world_size, local_world_size=local_world_size)
+    if args.local_rank is not None:  # passed by the legacy launcher only
+        strategy.launcher = "torch.distributed.launch"
 
-        data = common.load_data_and_model(args, strategy)
-        model = data.model.to(device)
-        if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
-            model.compile(**models.compile_options(args, strategy))
-        # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
-        #    gradients during backward(), overlapping the communication with the computation.
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    data = common.load_data_and_model(args, strategy)
+    model = data.model.to(device)
+    if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
+        model.compile(**models.compile_options(args, strategy))
+    # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
+    #    gradients during backward(), overlapping the communication with the computation.
+    model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-        # [data] Each process reads a different 1/world_size of every global batch, so the global batch
-        #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
-        loaders = common.make_loaders(data, args, world_size, rank)
-        optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
+    # [data] Each process reads a different 1/world_size of every global batch, so the global batch
+    #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
+    loaders = common.make_loaders(data, args, world_size, rank)
+    optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
-        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
-    finally:
-        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
-        dist.destroy_process_group()
+    common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
 
 
 if __name__ == "__main__":

@@ -60,10 +60,12 @@ def worker(local_rank, args, first_failure):
     rank = args.node_rank * args.nprocs + local_rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nnodes * args.nprocs),
                       MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
-    cli.run(lambda: train(args, rank, local_rank, first_failure))
+    # [failure] A failing rank notes it failed first, before cli.run leaves the group (which makes the others
+    #    fail too): the parent then names the cause, not a rank that only lost its peer.
+    cli.run(spawn_setup.noting_the_first_failure(first_failure, rank, lambda: train(args, rank, local_rank)))
 
 
-def train(args, rank, local_rank, first_failure):
+def train(args, rank, local_rank):
     common.set_seed(args.seed)
     world_size = args.nnodes * args.nprocs
     device = machine.resolve_device(args.device, local_rank, share_gpus=args.backend == "gloo")
@@ -72,33 +74,23 @@ def train(args, rank, local_rank, first_failure):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(machine.backend_for(device, args.backend), timeout=timedelta(seconds=args.dist_timeout))
-    try:
-        strategy = DDP(device, rank, world_size, local_world_size=args.nprocs)
+    # [leave] cli.run leaves the group on every exit path, failures included, so no process is left waiting.
+    strategy = DDP(device, rank, world_size, local_world_size=args.nprocs)
 
-        data = common.load_data_and_model(args, strategy)
-        model = data.model.to(device)
-        if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
-            model.compile(**models.compile_options(args, strategy))
-        # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
-        #    gradients during backward(), overlapping the communication with the computation.
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    data = common.load_data_and_model(args, strategy)
+    model = data.model.to(device)
+    if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
+        model.compile(**models.compile_options(args, strategy))
+    # [wrap] DDP broadcasts rank 0's weights to every process, then all-reduces (averages) the
+    #    gradients during backward(), overlapping the communication with the computation.
+    model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-        # [data] Each process reads a different 1/world_size of every global batch, so the global batch
-        #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
-        loaders = common.make_loaders(data, args, world_size, rank)
-        optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
+    # [data] Each process reads a different 1/world_size of every global batch, so the global batch
+    #    is batch size x world size. The Trainer calls set_epoch so each epoch shuffles anew.
+    loaders = common.make_loaders(data, args, world_size, rank)
+    optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
-        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
-    except Exception:
-        # [failure] Note the first rank to fail before leaving the group, which makes the others fail too:
-        #    the parent then names the cause, not a rank that only lost its peer.
-        with first_failure.get_lock():
-            if first_failure.value < 0:
-                first_failure.value = rank
-        raise
-    finally:
-        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
-        dist.destroy_process_group()
+    common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ diff) with Fabric joining the processes, wrapping the model and running the coll
 processes, the same DDP, the same global batches, the same weights. Without GPUs the same code runs CPU
 processes over gloo.
 """
-import torch.distributed as dist
 from lightning_fabric import Fabric
 
 import common
@@ -80,48 +79,44 @@ def main():
     with fabric_setup.fabric_errors():
         fabric = Fabric(accelerator=device.type, strategy=fabric_setup.fabric_strategy(args),
                         precision=fabric_setup.FABRIC_PRECISION[precision], **fabric_setup.layout(launcher))
-    try:
-        # [group] Join the processes (the group: gloo on CPU, NCCL on GPUs). Under fabric run Fabric()
-        #    has joined them already and launch() is refused; from plain python with Fabric(devices=N)
-        #    launch() would start the other N - 1 processes itself.
-        if launcher != "fabric run":
-            fabric.launch()
-        strategy = ThroughFabric(fabric, args.fabric_strategy, launcher, precision)
-        fabric_setup.announce(fabric)
+    # [group] Join the processes (the group: gloo on CPU, NCCL on GPUs). Under fabric run Fabric()
+    #    has joined them already and launch() is refused; from plain python with Fabric(devices=N)
+    #    launch() would start the other N - 1 processes itself.
+    if launcher != "fabric run":
+        fabric.launch()
+    # [leave] cli.run leaves the group on every exit path, failures included, so no process is left waiting.
+    #    Fabric destroys only an NCCL group itself, at the interpreter's exit.
+    strategy = ThroughFabric(fabric, args.fabric_strategy, launcher, precision)
+    fabric_setup.announce(fabric)
 
-        data = common.load_data_and_model(args, strategy)
-        model = data.model
-        if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
-            model.compile(**models.compile_options(args, strategy))
+    data = common.load_data_and_model(args, strategy)
+    model = data.model
+    if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
+        model.compile(**models.compile_options(args, strategy))
 
-        # [wrap] Fabric moves the model to this process's device and wraps it: in DDP (which broadcasts
-        #    rank 0's weights, then averages the gradients during backward), or sharded by FSDP2, or
-        #    in DeepSpeed's engine; its forward runs in the precision's autocast. The optimizer comes
-        #    after the wrapping, so that under FSDP2 it holds the shards; DeepSpeed builds its engine
-        #    from both at once.
-        if args.fabric_strategy == "deepspeed":
-            model, optimizer = fabric.setup(model, models.make_optimizer(model, data.lr, args.weight_decay))
-            strategy.engine = fabric.strategy.model
-        else:
-            model = fabric.setup_module(model)
-            optimizer = fabric.setup_optimizers(models.make_optimizer(model, data.lr, args.weight_decay))
+    # [wrap] Fabric moves the model to this process's device and wraps it: in DDP (which broadcasts
+    #    rank 0's weights, then averages the gradients during backward), or sharded by FSDP2, or
+    #    in DeepSpeed's engine; its forward runs in the precision's autocast. The optimizer comes
+    #    after the wrapping, so that under FSDP2 it holds the shards; DeepSpeed builds its engine
+    #    from both at once.
+    if args.fabric_strategy == "deepspeed":
+        model, optimizer = fabric.setup(model, models.make_optimizer(model, data.lr, args.weight_decay))
+        strategy.engine = fabric.strategy.model
+    else:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(models.make_optimizer(model, data.lr, args.weight_decay))
 
-        # [data] Each process reads a different 1/world_size of every global batch, by the suite's own
-        #    samplers, as in the DDP script. Left to itself (use_distributed_sampler=True) Fabric
-        #    would give a plain loader torch's DistributedSampler, which evens out an uneven epoch by
-        #    repeating samples (trained twice, dev samples counted twice). The Trainer moves each
-        #    batch to the device itself, after counting its tokens on the CPU: counted on a GPU
-        #    (move_to_device=True), they would make the CPU wait for it at every micro-batch.
-        loaders = common.make_loaders(data, args, fabric.world_size, fabric.global_rank)
-        loaders = common.Loaders(*fabric.setup_dataloaders(*loaders, use_distributed_sampler=False,
-                                                           move_to_device=False))
+    # [data] Each process reads a different 1/world_size of every global batch, by the suite's own
+    #    samplers, as in the DDP script. Left to itself (use_distributed_sampler=True) Fabric
+    #    would give a plain loader torch's DistributedSampler, which evens out an uneven epoch by
+    #    repeating samples (trained twice, dev samples counted twice). The Trainer moves each
+    #    batch to the device itself, after counting its tokens on the CPU: counted on a GPU
+    #    (move_to_device=True), they would make the CPU wait for it at every micro-batch.
+    loaders = common.make_loaders(data, args, fabric.world_size, fabric.global_rank)
+    loaders = common.Loaders(*fabric.setup_dataloaders(*loaders, use_distributed_sampler=False,
+                                                       move_to_device=False))
 
-        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
-    finally:
-        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
-        #    (Fabric destroys only an NCCL group itself, at the interpreter's exit.)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
 
 
 if __name__ == "__main__":

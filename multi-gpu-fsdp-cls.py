@@ -136,45 +136,42 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(group_backend(device, args.offload), timeout=timedelta(seconds=args.dist_timeout))
-    try:
-        mesh = init_device_mesh(device.type, (world_size,))
-        strategy = FSDP2(device, rank, world_size, local_world_size, args.precision, args.reshard_after_forward,
-                         args.offload)
+    # [leave] cli.run leaves the group on every exit path, failures included, so no process is left waiting.
+    mesh = init_device_mesh(device.type, (world_size,))
+    strategy = FSDP2(device, rank, world_size, local_world_size, args.precision, args.reshard_after_forward,
+                     args.offload)
 
-        data = common.load_data_and_model(args, strategy)
-        model = data.model  # compiled layer by layer below
-        # [precision] Mixed precision is FSDP's own: it gathers the weights in 16 bits to compute, and keeps
-        #    the shards, the optimizer and the gradient reductions in fp32 (no autocast needed).
-        #    The --offload shards live in CPU memory and the optimizer steps there.
-        policies = dict(mesh=mesh, reshard_after_forward=args.reshard_after_forward,
-                        mp_policy=MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[args.precision],
-                                                       reduce_dtype=torch.float32),
-                        offload_policy=CPUOffloadPolicy() if args.offload else OffloadPolicy())
+    data = common.load_data_and_model(args, strategy)
+    model = data.model  # compiled layer by layer below
+    # [precision] Mixed precision is FSDP's own: it gathers the weights in 16 bits to compute, and keeps
+    #    the shards, the optimizer and the gradient reductions in fp32 (no autocast needed).
+    #    The --offload shards live in CPU memory and the optimizer steps there.
+    policies = dict(mesh=mesh, reshard_after_forward=args.reshard_after_forward,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[args.precision],
+                                                   reduce_dtype=torch.float32),
+                    offload_policy=CPUOffloadPolicy() if args.offload else OffloadPolicy())
 
-        # [wrap] Shard each encoder layer as a unit of its own: its weights are gathered (all-gather)
-        #    just before its forward and freed after, so a process holds at most one whole layer
-        #    beyond its shards, and gathering the next layer overlaps computing this one. The
-        #    layers first, the root last: the root takes what is left (embeddings, pooler and
-        #    classifier), and fully_shard moves the weights to the mesh's device.
-        for layer in model.bert.encoder.layer:
-            if args.compile:  # each layer, before it is sharded (FSDP's hooks run eager), not the root too, which
-                layer.compile(**models.compile_options(args, strategy))  # would trace them again: torchtitan's way
-            fully_shard(layer, **policies)
-        fully_shard(model, **policies)
+    # [wrap] Shard each encoder layer as a unit of its own: its weights are gathered (all-gather)
+    #    just before its forward and freed after, so a process holds at most one whole layer
+    #    beyond its shards, and gathering the next layer overlaps computing this one. The
+    #    layers first, the root last: the root takes what is left (embeddings, pooler and
+    #    classifier), and fully_shard moves the weights to the mesh's device.
+    for layer in model.bert.encoder.layer:
+        if args.compile:  # each layer, before it is sharded (FSDP's hooks run eager), not the root too, which
+            layer.compile(**models.compile_options(args, strategy))  # would trace them again: torchtitan's way
+        fully_shard(layer, **policies)
+    fully_shard(model, **policies)
 
-        # [data] Each process reads a different 1/world_size of every global batch, as with DDP.
-        loaders = common.make_loaders(data, args, world_size, rank)
+    # [data] Each process reads a different 1/world_size of every global batch, as with DDP.
+    loaders = common.make_loaders(data, args, world_size, rank)
 
-        # [optimizer] The optimizer after sharding: it must hold the shards (DTensors), so that each process
-        #    keeps and steps the Adam moments of its own 1/N only.
-        optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
+    # [optimizer] The optimizer after sharding: it must hold the shards (DTensors), so that each process
+    #    keeps and steps the Adam moments of its own 1/N only.
+    optimizer = models.make_optimizer(model, data.lr, args.weight_decay)
 
-        # [backward] backward() reduce-scatters each layer's gradients as soon as they are computed,
-        #    averaged over the processes, overlapping the communication with the layers below.
-        common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
-    finally:
-        # [leave] Leave the group on every exit path, failures included, so no process is left waiting.
-        dist.destroy_process_group()
+    # [backward] backward() reduce-scatters each layer's gradients as soon as they are computed,
+    #    averaged over the processes, overlapping the communication with the layers below.
+    common.Trainer(args, strategy, model, optimizer, data, loaders, instruments.callbacks_for(args)).fit()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ the suite's way is refused in one line, each reason in transformers_setup: --res
 """
 import functools
 
-import torch.distributed as dist
 from transformers import TrainingArguments
 
 import common
@@ -83,34 +82,31 @@ def main():
     transformers_setup.refuse_what_this_machine_cannot_do(args, device, launched, deepspeed_config)
     transformers_setup.name_deepspeed_accelerator(device)
     own_group = launched and device.type == "cpu"
-    try:
-        # [group] CPU processes join their gloo group here, GPU ones in TrainingArguments (join_group_on_cpu says why).
-        if own_group:
-            transformers_setup.join_group_on_cpu(args, deepspeed=deepspeed_config is not None)
-        training_args = training_arguments(args, device, launched, own_group, deepspeed_config)
-        strategy = transformers_setup.suite_strategy(args, training_args, device, launched, rank, world_size,
-                                                     local_world_size)
+    # [group] CPU processes join their gloo group here, GPU ones in TrainingArguments (join_group_on_cpu says why).
+    if own_group:
+        transformers_setup.join_group_on_cpu(args, deepspeed=deepspeed_config is not None)
+    training_args = training_arguments(args, device, launched, own_group, deepspeed_config)
+    # [leave] cli.run leaves the group on every exit path, failures included, so no process is left waiting.
+    #    (As the Trainer's end() would.)
+    strategy = transformers_setup.suite_strategy(args, training_args, device, launched, rank, world_size,
+                                                 local_world_size)
 
-        data = common.load_data_and_model(args, strategy)
-        if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
-            data.model.compile(**models.compile_options(args, strategy))
-        training_args.learning_rate = data.lr  # for the Trainer's logs; the optimizer is ours (create_optimizer)
+    data = common.load_data_and_model(args, strategy)
+    if args.compile:  # in place, then wrapped; dynamic shapes without DDP's graph split, which torch 2.11 breaks
+        data.model.compile(**models.compile_options(args, strategy))
+    training_args.learning_rate = data.lr  # for the Trainer's logs; the optimizer is ours (create_optimizer)
 
-        # [data] The suite's loaders, sharded by rank as in the DDP script, in place of the Trainer's own
-        #    (SuiteTrainer gives them to it, and tells the sampler each epoch, counting from 1 as every
-        #    script does, where the Trainer would count from 0).
-        loaders = common.make_loaders(data, args, world_size, rank)
+    # [data] The suite's loaders, sharded by rank as in the DDP script, in place of the Trainer's own
+    #    (SuiteTrainer gives them to it, and tells the sampler each epoch, counting from 1 as every
+    #    script does, where the Trainer would count from 0).
+    loaders = common.make_loaders(data, args, world_size, rank)
 
-        # What every script reports the same way (the thread policy, the printed lines, result.json)
-        # comes from the suite's Run and instruments (the bar is the Trainer's); the Trainer trains.
-        run = common.Run(args, strategy, data.model, data, loaders, instruments.callbacks_for(args, bar=False))
-        run.announce()
-        training_args.max_steps = run.total_steps() if args.max_steps else -1  # --max-steps (-1: the epochs decide)
-        train_evaluate_save(run, training_args, data)
-    finally:
-        # [leave] Leave the process group on every exit path, failures included (what trainer.end() does).
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # What every script reports the same way (the thread policy, the printed lines, result.json)
+    # comes from the suite's Run and instruments (the bar is the Trainer's); the Trainer trains.
+    run = common.Run(args, strategy, data.model, data, loaders, instruments.callbacks_for(args, bar=False))
+    run.announce()
+    training_args.max_steps = run.total_steps() if args.max_steps else -1  # --max-steps (-1: the epochs decide)
+    train_evaluate_save(run, training_args, data)
 
 
 def train_evaluate_save(run, training_args, data):

@@ -1,5 +1,5 @@
-"""How a script runs: its failures reach the user as one line and an exit status, and the output folder's
-lock is let go on every exit path. Its options are options.py's, its launch environment launch.py's."""
+"""How a script runs: its failures reach the user as one line and an exit status; its process group and the
+output folder's lock are let go on every exit path. Its options are options.py's, its launch environment launch.py's."""
 import contextlib
 import gc
 import json
@@ -17,7 +17,7 @@ from .launch import current_rank
 def run(main):
     """Run `main()`, turning failures into one clear line on stderr and a non-zero exit; in a script that
     runs in a group (launch.in_a_group), after checking its launch variables."""
-    import torch.distributed as dist  # for its rendezvous errors; every script has imported torch already
+    import torch.distributed as dist  # its rendezvous errors, its group; every script has imported torch already
     # SIGTERM and SIGUSR1 (a scheduler or launcher stopping the job) unwind like Ctrl-C, once: cleanup code
     # runs (--save-on-signal's handler takes over while training). A launched process stops with its launcher.
     for number in launch.STOP_SIGNALS:
@@ -48,6 +48,8 @@ def run(main):
         report(f"error: rank {current_rank()} failed: {describe(first_cause(error))}")
         sys.exit(1)
     finally:
+        if dist.is_initialized():  # leave the group on every exit path, failures included: no peer is left waiting
+            dist.destroy_process_group()
         folder.release_output_dir()
         # A destroyed gloo group can linger in a reference cycle until the interpreter shuts down, and
         # freeing it then aborts the process about one run in five ("terminate called without an

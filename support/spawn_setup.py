@@ -1,6 +1,6 @@
 """The helpers of the spawn scripts (multi-gpu-distributed-mp-cls.py and its AMP variant) that are not
-the lesson: torchrun's options and checks, a free rendezvous port, and stopping the processes as
-torchrun would. free_port also serves benchmark.py, which imports this module without
+the lesson: torchrun's options and checks, a free rendezvous port, noting the first rank to fail, and
+stopping the processes as torchrun would. free_port also serves benchmark.py, which imports this module without
 torch: torch is imported where it is used."""
 import socket
 import sys
@@ -78,6 +78,19 @@ def wait_for(processes, first_failure, args):
         rank = first_failure.value if first_failure.value >= 0 else args.node_rank * args.nprocs + error.error_index
         cause = f"killed by {error.signal_name}" if error.signal_name else f"exit code {error.exit_code}"
         raise SystemExit(f"error: rank {rank} failed ({cause}); the other processes were stopped") from None
+
+
+def noting_the_first_failure(first_failure, rank, train):
+    """`train`, noting `rank` in `first_failure` (for wait_for) if it fails first: in cli.run, before it leaves."""
+    def train_noting_failure():
+        try:
+            train()
+        except Exception:
+            with first_failure.get_lock():
+                if first_failure.value < 0:
+                    first_failure.value = rank
+            raise
+    return train_noting_failure
 
 
 def stop(processes, first_rank):
