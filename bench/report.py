@@ -265,37 +265,31 @@ def markdown_table(columns, rows):
     return [line(columns), line(["---"] * len(columns))] + [line(row) for row in rows]
 
 
-def markdown_body(report):
-    """The report without its title."""
-    rows, repeat = report["rows"], report["repeat"]
-    text = [f"- {line}" for line in header_lines(report)] + [""]
-    text += markdown_table(spread_columns(MAIN_COLUMNS, repeat), [main_cells(row, repeat) for row in rows])
-    text += ["", LEGEND, ""]
-    if throughput_rows(report):
-        text += ["Throughput against the limit:", ""]
-        text += markdown_table(THROUGHPUT_COLUMNS, [throughput_cells(r) for r in throughput_rows(report)])
-        text += [""] + [f"- {line}" for line in peak_lines(report)] + ["", THROUGHPUT_LEGEND, ""]
-    if scaling_rows(report):
-        text += ["Scaling:", ""] + markdown_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
-        text += ["", SCALING_LEGEND, ""]
-    if memory_rows(report):
-        text += ["Model state per process:", ""]
-        text += markdown_table(MEMORY_COLUMNS, [memory_cells(row) for row in memory_rows(report)])
-        text += ["", MEMORY_LEGEND, ""]
-    if phase_rows(report):
-        text += ["Step anatomy:", ""] + markdown_table(PHASE_COLUMNS, [phase_cells(r) for r in phase_rows(report)])
-        text += ["", PHASE_LEGEND, ""]
-    text += traffic.bytes_markdown(report, markdown_table, row_label)
-    text += traffic.projection_markdown(report, markdown_table, row_label)
-    text += ["Details:", ""] + markdown_table(spread_columns(DETAIL_COLUMNS, repeat),
-                                              [detail_cells(row, repeat) for row in rows])
-    text += ["", DETAIL_LEGEND, "", "Commands:", ""]
-    text += [f"- {row['row']}: `{row['command']}`" for row in rows if row.get("command")]
-    return "\n".join(text) + "\n"
+def sections(report):
+    """The tables after the main one that the run has figures for: (title, columns, cells, notes, legend)."""
+    repeat = report["repeat"]
+    return [section for section in [
+        ("Throughput against the limit", THROUGHPUT_COLUMNS, [throughput_cells(r) for r in throughput_rows(report)],
+         peak_lines(report), THROUGHPUT_LEGEND),
+        ("Scaling", SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)], [], SCALING_LEGEND),
+        ("Model state per process", MEMORY_COLUMNS, [memory_cells(r) for r in memory_rows(report)], [], MEMORY_LEGEND),
+        ("Step anatomy", PHASE_COLUMNS, [phase_cells(r) for r in phase_rows(report)], [], PHASE_LEGEND),
+        *traffic.sections(report, row_label),
+        ("Details", spread_columns(DETAIL_COLUMNS, repeat), [detail_cells(row, repeat) for row in report["rows"]], [],
+         DETAIL_LEGEND),
+    ] if section[2]]
 
 
 def markdown(report):
-    return "# Benchmark\n\n" + markdown_body(report)
+    rows, repeat = report["rows"], report["repeat"]
+    text = ["# Benchmark", ""] + [f"- {line}" for line in header_lines(report)] + [""]
+    text += markdown_table(spread_columns(MAIN_COLUMNS, repeat), [main_cells(row, repeat) for row in rows])
+    text += ["", LEGEND, ""]
+    for title, columns, cells, notes, legend in sections(report):
+        text += [f"{title}:", ""] + markdown_table(columns, cells) + [""]
+        text += [f"- {note}" for note in notes] + [""] * bool(notes) + [legend, ""]
+    text += ["Commands:", ""] + [f"- {row['row']}: `{row['command']}`" for row in rows if row.get("command")]
+    return "\n".join(text) + "\n"
 
 
 def terminal_table(columns, rows):
@@ -309,22 +303,8 @@ def terminal_report(report):
     text = header_lines(report) + [""] + terminal_table(spread_columns(MAIN_COLUMNS, repeat),
                                                         [main_cells(row, repeat) for row in rows])
     text += ["", LEGEND]
-    if throughput_rows(report):
-        text += ["", "throughput against the limit:"]
-        text += terminal_table(THROUGHPUT_COLUMNS, [throughput_cells(r) for r in throughput_rows(report)])
-        text += peak_lines(report)
-    if scaling_rows(report):
-        text += ["", "scaling:"] + terminal_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
-    if memory_rows(report):
-        text += ["", "model state per process:"]
-        text += terminal_table(MEMORY_COLUMNS, [memory_cells(row) for row in memory_rows(report)])
-    if phase_rows(report):
-        text += ["", "step anatomy (ms per step):"]
-        text += terminal_table(PHASE_COLUMNS, [phase_cells(row) for row in phase_rows(report)])
-    text += traffic.bytes_terminal(report, terminal_table, row_label)
-    text += traffic.projection_terminal(report, terminal_table, row_label)
-    text += ["", "details:"] + terminal_table(spread_columns(DETAIL_COLUMNS, repeat),
-                                              [detail_cells(row, repeat) for row in rows])
+    for title, columns, cells, notes, _ in sections(report):
+        text += ["", f"{title[0].lower()}{title[1:]}:"] + terminal_table(columns, cells) + notes
     return "\n".join(text + ["", "commands:"] + [f"  {row['row']}: {row['command']}" for row in rows
                                                  if row.get("command")])
 
