@@ -309,13 +309,6 @@ def terminal_report(report):
                                                  if row.get("command")])
 
 
-def write_text(path, text):
-    """Atomically, as files.write_json: a reader never sees half a file."""
-    staging = files.staged_name(path, "tmp")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)
-
-
 # ----------------------------------------------------------------------------- the chart
 
 def chart(report, path):
@@ -515,7 +508,7 @@ def memory_chart(axis, report):
 
 def write(report, output_dir, final):
     """benchmark.md, and at the end of the run benchmark.png (where matplotlib is installed)."""
-    write_text(output_dir / "benchmark.md", markdown(report))
+    files.write_text(output_dir / "benchmark.md", markdown(report))
     if final and importlib.util.find_spec("matplotlib") is None:
         print("benchmark.png not drawn: matplotlib is not installed here (pip install -r requirements.txt)")
     elif final:
