@@ -334,26 +334,16 @@ def chart(report, path):
 
 
 def chart_panels(report):
-    """Time and dev accuracy per row always; the training loss per step where rows have it; the speed-up
-    per row when there is a single row to compare with; MFU when a peak is known; the speed-up against processes for a sweep (--nprocs
-    1,2,...); the time per step by phase with --profile; the model state per process. A panel without
-    figures is left out."""
-    panels = [time_chart, accuracy_chart]
-    if loss_rows(report):
-        panels.append(loss_chart)
-    if any(row.get("speedup") is not None for row in report["rows"]):
-        panels.append(speedup_chart)
-    if len(report["counts"]) > 1 and scaling_rows(report):
-        panels.append(scaling_chart)
-    if any(row.get("mfu") is not None or row.get("mfu_measured") is not None for row in throughput_rows(report)):
-        panels.append(mfu_chart)
-    if sweep_points(report):
-        panels.append(batch_chart)
-    if phase_rows(report):
-        panels.append(phase_chart)
-    if memory_rows(report):
-        panels.append(memory_chart)
-    return panels
+    """Time and dev accuracy per row always; then, where the run has their figures, the training loss per
+    step, the speed-up per row, the speed-up against processes (--nprocs 1,2,...), MFU, the batch sweep, the
+    time per step by phase (--profile) and the model state per process."""
+    shown = {loss_chart: loss_rows(report),
+             speedup_chart: any(row.get("speedup") is not None for row in report["rows"]),
+             scaling_chart: len(report["counts"]) > 1 and scaling_rows(report),
+             mfu_chart: any(row.get("mfu") is not None or row.get("mfu_measured") is not None
+                            for row in throughput_rows(report)),
+             batch_chart: sweep_points(report), phase_chart: phase_rows(report), memory_chart: memory_rows(report)}
+    return [time_chart, accuracy_chart] + [panel for panel, figures in shown.items() if figures]
 
 
 def row_bars(axis, report, values, offset=0.0, **style):
