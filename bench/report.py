@@ -88,11 +88,6 @@ def starved_note(share):
             f"{share['load_before']:.1f} -> {share['load_after']:.1f}")
 
 
-def status_cell(row):
-    share = starved(row)
-    return f"ok, {starved_note(share)}" if share else "ok"
-
-
 def main_cells(row, repeat):
     if row["status"] != "ok":
         reason = row["reason"] or "not run yet"
@@ -100,7 +95,8 @@ def main_cells(row, repeat):
         return [row["row"]] + [""] * (len(MAIN_COLUMNS) - 2) + [f"{row['status']}: {reason}"]
     return [row_label(row), str(row["processes"]), precision_label(row), global_batch_label(row),
             spread(row, "train_seconds", repeat), f"{row['samples_per_second']:.1f}", speedup_cell(row),
-            f"{row['dev_accuracy']:.4f}", str(row["dev_samples"]), status_cell(row)]
+            f"{row['dev_accuracy']:.4f}", str(row["dev_samples"]),
+            f"ok, {starved_note(starved(row))}" if starved(row) else "ok"]
 
 
 def global_batch_label(row):
