@@ -24,6 +24,7 @@ every row's table last.
 import argparse
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -473,18 +474,13 @@ def run(args, plan_units, measured):
     fresh_compile_cache(env, first=True)
     summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), "budget": args.budget,
                "device": args.device, "model": args.model, "units": []}
-    group = None
-    for unit in plan_units:
-        if unit.group != group:
-            if group is not None:
-                print_group(group, summary)
-            group = unit.group
-            print(f"\n== {group}: {GROUPS[group]}", flush=True)
-        summary["units"].append(run_unit(unit, args, measured, known, env, deadline))
-        if summary["units"][-1]["status"] == "stopped":
-            fresh_compile_cache(env)
-        pack(out, summary)
-    if group is not None:
+    for group, units in itertools.groupby(plan_units, key=lambda unit: unit.group):
+        print(f"\n== {group}: {GROUPS[group]}", flush=True)
+        for unit in units:
+            summary["units"].append(run_unit(unit, args, measured, known, env, deadline))
+            if summary["units"][-1]["status"] == "stopped":
+                fresh_compile_cache(env)
+            pack(out, summary)
         print_group(group, summary)
     pack(out, summary)
     return finish(out, summary, started)
