@@ -325,19 +325,11 @@ def script_options(args, variant, run_dir, model, gpus, nprocs, batch_size):
     """What a script gets after the launcher's part: the options every row shares, then this
     strategy's and this variant's own; `batch_size` per device (None: the script's)."""
     entry = STRATEGIES[variant.strategy]
+    shared = {"--max-samples": args.max_samples, "--epochs": args.epochs, "--max-steps": args.max_steps,
+              "--precision": args.precision if entry.mixed_precision else None, "--grad-accum": args.grad_accum,
+              "--profile": args.profile if entry.profiles else None}
     options = ["--output-dir", relative(run_dir), "--model", model]
-    if args.max_samples:
-        options += ["--max-samples", str(args.max_samples)]
-    if args.epochs:
-        options += ["--epochs", str(args.epochs)]
-    if args.max_steps:
-        options += ["--max-steps", str(args.max_steps)]
-    if args.precision and entry.mixed_precision:
-        options += ["--precision", args.precision]
-    if args.grad_accum:
-        options += ["--grad-accum", str(args.grad_accum)]
-    if args.profile and entry.profiles:
-        options += ["--profile", str(args.profile)]
+    options += [word for option, value in shared.items() if value for word in (option, str(value))]
     return (options + batch_options(args, entry, gpus, nprocs, batch_size) + args.passthrough
             + args.strategy_options.get(entry.name, []) + list(variant.options))
 

@@ -42,10 +42,8 @@ def library_versions(providers=None):
     """Python's version and each VERSIONED module's, read as the rows import it; `providers` maps a
     module to the distributions that install it (default: importlib.metadata.packages_distributions())."""
     providers = metadata.packages_distributions() if providers is None else providers
-    versions = {"python": platform.python_version()}
-    for module in VERSIONED:
-        versions[module] = module_version(module, providers.get(module, []))
-    return versions
+    return {"python": platform.python_version(),
+            **{module: module_version(module, providers.get(module, [])) for module in VERSIONED}}
 
 
 def module_version(module, distributions):

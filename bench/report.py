@@ -88,11 +88,6 @@ def starved_note(share):
             f"{share['load_before']:.1f} -> {share['load_after']:.1f}")
 
 
-def status_cell(row):
-    share = starved(row)
-    return f"ok, {starved_note(share)}" if share else "ok"
-
-
 def main_cells(row, repeat):
     if row["status"] != "ok":
         reason = row["reason"] or "not run yet"
@@ -100,7 +95,8 @@ def main_cells(row, repeat):
         return [row["row"]] + [""] * (len(MAIN_COLUMNS) - 2) + [f"{row['status']}: {reason}"]
     return [row_label(row), str(row["processes"]), precision_label(row), global_batch_label(row),
             spread(row, "train_seconds", repeat), f"{row['samples_per_second']:.1f}", speedup_cell(row),
-            f"{row['dev_accuracy']:.4f}", str(row["dev_samples"]), status_cell(row)]
+            f"{row['dev_accuracy']:.4f}", str(row["dev_samples"]),
+            f"ok, {starved_note(starved(row))}" if starved(row) else "ok"]
 
 
 def global_batch_label(row):
@@ -265,37 +261,31 @@ def markdown_table(columns, rows):
     return [line(columns), line(["---"] * len(columns))] + [line(row) for row in rows]
 
 
-def markdown_body(report):
-    """The report without its title."""
-    rows, repeat = report["rows"], report["repeat"]
-    text = [f"- {line}" for line in header_lines(report)] + [""]
-    text += markdown_table(spread_columns(MAIN_COLUMNS, repeat), [main_cells(row, repeat) for row in rows])
-    text += ["", LEGEND, ""]
-    if throughput_rows(report):
-        text += ["Throughput against the limit:", ""]
-        text += markdown_table(THROUGHPUT_COLUMNS, [throughput_cells(r) for r in throughput_rows(report)])
-        text += [""] + [f"- {line}" for line in peak_lines(report)] + ["", THROUGHPUT_LEGEND, ""]
-    if scaling_rows(report):
-        text += ["Scaling:", ""] + markdown_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
-        text += ["", SCALING_LEGEND, ""]
-    if memory_rows(report):
-        text += ["Model state per process:", ""]
-        text += markdown_table(MEMORY_COLUMNS, [memory_cells(row) for row in memory_rows(report)])
-        text += ["", MEMORY_LEGEND, ""]
-    if phase_rows(report):
-        text += ["Step anatomy:", ""] + markdown_table(PHASE_COLUMNS, [phase_cells(r) for r in phase_rows(report)])
-        text += ["", PHASE_LEGEND, ""]
-    text += traffic.bytes_markdown(report, markdown_table, row_label)
-    text += traffic.projection_markdown(report, markdown_table, row_label)
-    text += ["Details:", ""] + markdown_table(spread_columns(DETAIL_COLUMNS, repeat),
-                                              [detail_cells(row, repeat) for row in rows])
-    text += ["", DETAIL_LEGEND, "", "Commands:", ""]
-    text += [f"- {row['row']}: `{row['command']}`" for row in rows if row.get("command")]
-    return "\n".join(text) + "\n"
+def sections(report):
+    """The tables after the main one that the run has figures for: (title, columns, cells, notes, legend)."""
+    repeat = report["repeat"]
+    return [section for section in [
+        ("Throughput against the limit", THROUGHPUT_COLUMNS, [throughput_cells(r) for r in throughput_rows(report)],
+         peak_lines(report), THROUGHPUT_LEGEND),
+        ("Scaling", SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)], [], SCALING_LEGEND),
+        ("Model state per process", MEMORY_COLUMNS, [memory_cells(r) for r in memory_rows(report)], [], MEMORY_LEGEND),
+        ("Step anatomy", PHASE_COLUMNS, [phase_cells(r) for r in phase_rows(report)], [], PHASE_LEGEND),
+        *traffic.sections(report, row_label),
+        ("Details", spread_columns(DETAIL_COLUMNS, repeat), [detail_cells(row, repeat) for row in report["rows"]], [],
+         DETAIL_LEGEND),
+    ] if section[2]]
 
 
 def markdown(report):
-    return "# Benchmark\n\n" + markdown_body(report)
+    rows, repeat = report["rows"], report["repeat"]
+    text = ["# Benchmark", ""] + [f"- {line}" for line in header_lines(report)] + [""]
+    text += markdown_table(spread_columns(MAIN_COLUMNS, repeat), [main_cells(row, repeat) for row in rows])
+    text += ["", LEGEND, ""]
+    for title, columns, cells, notes, legend in sections(report):
+        text += [f"{title}:", ""] + markdown_table(columns, cells) + [""]
+        text += [f"- {note}" for note in notes] + [""] * bool(notes) + [legend, ""]
+    text += ["Commands:", ""] + [f"- {row['row']}: `{row['command']}`" for row in rows if row.get("command")]
+    return "\n".join(text) + "\n"
 
 
 def terminal_table(columns, rows):
@@ -309,31 +299,10 @@ def terminal_report(report):
     text = header_lines(report) + [""] + terminal_table(spread_columns(MAIN_COLUMNS, repeat),
                                                         [main_cells(row, repeat) for row in rows])
     text += ["", LEGEND]
-    if throughput_rows(report):
-        text += ["", "throughput against the limit:"]
-        text += terminal_table(THROUGHPUT_COLUMNS, [throughput_cells(r) for r in throughput_rows(report)])
-        text += peak_lines(report)
-    if scaling_rows(report):
-        text += ["", "scaling:"] + terminal_table(SCALING_COLUMNS, [scaling_cells(r) for r in scaling_rows(report)])
-    if memory_rows(report):
-        text += ["", "model state per process:"]
-        text += terminal_table(MEMORY_COLUMNS, [memory_cells(row) for row in memory_rows(report)])
-    if phase_rows(report):
-        text += ["", "step anatomy (ms per step):"]
-        text += terminal_table(PHASE_COLUMNS, [phase_cells(row) for row in phase_rows(report)])
-    text += traffic.bytes_terminal(report, terminal_table, row_label)
-    text += traffic.projection_terminal(report, terminal_table, row_label)
-    text += ["", "details:"] + terminal_table(spread_columns(DETAIL_COLUMNS, repeat),
-                                              [detail_cells(row, repeat) for row in rows])
+    for title, columns, cells, notes, _ in sections(report):
+        text += ["", f"{title[0].lower()}{title[1:]}:"] + terminal_table(columns, cells) + notes
     return "\n".join(text + ["", "commands:"] + [f"  {row['row']}: {row['command']}" for row in rows
                                                  if row.get("command")])
-
-
-def write_text(path, text):
-    """Atomically, as files.write_json: a reader never sees half a file."""
-    staging = files.staged_name(path, "tmp")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)
 
 
 # ----------------------------------------------------------------------------- the chart
@@ -361,26 +330,16 @@ def chart(report, path):
 
 
 def chart_panels(report):
-    """Time and dev accuracy per row always; the training loss per step where rows have it; the speed-up
-    per row when there is a single row to compare with; MFU when a peak is known; the speed-up against processes for a sweep (--nprocs
-    1,2,...); the time per step by phase with --profile; the model state per process. A panel without
-    figures is left out."""
-    panels = [time_chart, accuracy_chart]
-    if loss_rows(report):
-        panels.append(loss_chart)
-    if any(row.get("speedup") is not None for row in report["rows"]):
-        panels.append(speedup_chart)
-    if len(report["counts"]) > 1 and scaling_rows(report):
-        panels.append(scaling_chart)
-    if any(row.get("mfu") is not None or row.get("mfu_measured") is not None for row in throughput_rows(report)):
-        panels.append(mfu_chart)
-    if sweep_points(report):
-        panels.append(batch_chart)
-    if phase_rows(report):
-        panels.append(phase_chart)
-    if memory_rows(report):
-        panels.append(memory_chart)
-    return panels
+    """Time and dev accuracy per row always; then, where the run has their figures, the training loss per
+    step, the speed-up per row, the speed-up against processes (--nprocs 1,2,...), MFU, the batch sweep, the
+    time per step by phase (--profile) and the model state per process."""
+    shown = {loss_chart: loss_rows(report),
+             speedup_chart: any(row.get("speedup") is not None for row in report["rows"]),
+             scaling_chart: len(report["counts"]) > 1 and scaling_rows(report),
+             mfu_chart: any(row.get("mfu") is not None or row.get("mfu_measured") is not None
+                            for row in throughput_rows(report)),
+             batch_chart: sweep_points(report), phase_chart: phase_rows(report), memory_chart: memory_rows(report)}
+    return [time_chart, accuracy_chart] + [panel for panel, figures in shown.items() if figures]
 
 
 def row_bars(axis, report, values, offset=0.0, **style):
@@ -535,7 +494,7 @@ def memory_chart(axis, report):
 
 def write(report, output_dir, final):
     """benchmark.md, and at the end of the run benchmark.png (where matplotlib is installed)."""
-    write_text(output_dir / "benchmark.md", markdown(report))
+    files.write_text(output_dir / "benchmark.md", markdown(report))
     if final and importlib.util.find_spec("matplotlib") is None:
         print("benchmark.png not drawn: matplotlib is not installed here (pip install -r requirements.txt)")
     elif final:

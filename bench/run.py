@@ -151,12 +151,18 @@ def launch_once(command, env, shown, run_dir, log_path, timeout):
     return {**result, "machine_share": machine_share(before, after, wall, result)}, wall, None
 
 
-# What each row's result.json says of its pace against the limit (measure.Throughput).
-THROUGHPUT_FIELDS = ("compiled", "compiled_graphs", "cuda_graphs", "step_shapes", "pad_to_multiple_of",
-                     "compute_precision", "devices", "first_step_seconds", "compile_seconds", "steady_steps",
-                     "steady_step_seconds", "steady_samples_per_second", "real_tokens_per_second",
-                     "computed_tokens_per_second", "model_flops_per_second", "steady_model_flops_per_second", "mfu",
-                     "mfu_real", "real_flops_share", "peak_tflops", "peak_source", "mfu_note")
+# What a row copies from its chosen run's result.json under the same name: what every result has, then what
+# only some have (None where absent), measure.Throughput's pace against the limit among them.
+RESULT_FIELDS = ("launcher", "device", "threads_per_process", "precision", "precision_native", "model", "train_samples",
+                 "epochs", "train_seconds", "samples_per_second", "tokens_per_sample", "padded_tokens_per_sample",
+                 "peak_memory_mb", "dev_accuracy", "dev_macro_f1", "dev_samples", "wall_seconds")
+OPTIONAL_FIELDS = ("zero_stage", "model_state_bytes", "model_state_formula_bytes", "profile", "collective_bytes",
+                   "collective_formula_bytes", "train_loss_curve", "machine_share", "compiled", "compiled_graphs",
+                   "cuda_graphs", "step_shapes", "pad_to_multiple_of", "compute_precision", "devices",
+                   "first_step_seconds", "compile_seconds", "steady_steps", "steady_step_seconds",
+                   "steady_samples_per_second", "real_tokens_per_second", "computed_tokens_per_second",
+                   "model_flops_per_second", "steady_model_flops_per_second", "mfu", "mfu_real", "real_flops_share",
+                   "peak_tflops", "peak_source", "mfu_note")
 
 
 def summarize(cell):
@@ -170,41 +176,17 @@ def summarize(cell):
     return {
         **cell,
         "command": chosen["launch_command"],
-        "launcher": chosen["launcher"],
         "processes": chosen["world_size"],
-        "device": chosen["device"],
-        "threads_per_process": chosen["threads_per_process"],
-        "precision": chosen["precision"],
-        "precision_native": chosen["precision_native"],
-        "zero_stage": chosen.get("zero_stage"),
-        "model": chosen["model"],
         "global_batch": chosen["global_batch_size"],
         "gradient_accumulation": chosen.get("gradient_accumulation_steps", 1),
         "batch_per_process": chosen["batch_size_per_process"],
-        "train_samples": chosen["train_samples"],
-        "epochs": chosen["epochs"],
-        "train_seconds": chosen["train_seconds"],
-        "samples_per_second": chosen["samples_per_second"],
-        "tokens_per_sample": chosen["tokens_per_sample"],
-        "padded_tokens_per_sample": chosen["padded_tokens_per_sample"],
-        "peak_memory_mb": chosen["peak_memory_mb"],
-        "dev_accuracy": chosen["dev_accuracy"],
-        "dev_macro_f1": chosen["dev_macro_f1"],
-        "dev_samples": chosen["dev_samples"],
-        "wall_seconds": chosen["wall_seconds"],
+        **{key: chosen[key] for key in RESULT_FIELDS},
         "train_seconds_min": min(seconds),
         "train_seconds_max": max(seconds),
         "relative_spread": round((max(seconds) - min(seconds)) / median_seconds, 4) if len(runs) > 1 else None,
         "wall_seconds_min": min(run["wall_seconds"] for run in runs),
         "wall_seconds_max": max(run["wall_seconds"] for run in runs),
-        "model_state_bytes": chosen.get("model_state_bytes"),
-        "model_state_formula_bytes": chosen.get("model_state_formula_bytes"),
-        "profile": chosen.get("profile"),
-        "collective_bytes": chosen.get("collective_bytes"),
-        "collective_formula_bytes": chosen.get("collective_formula_bytes"),
-        "train_loss_curve": chosen.get("train_loss_curve"),
-        "machine_share": chosen.get("machine_share"),
-        **{key: chosen.get(key) for key in THROUGHPUT_FIELDS},
+        **{key: chosen.get(key) for key in OPTIONAL_FIELDS},
     }
 
 

@@ -23,10 +23,6 @@ BYTES_LEGEND = ("Per process (rank 0) and optimizer step, over the steps recorde
                 "torch.distributed's operators; Horovod's from its optimizer's calls.")
 
 
-def bytes_rows(report):
-    return [row for row in report["rows"] if row["status"] == "ok" and row.get("collective_bytes")]
-
-
 def megabytes(size):
     return f"{size / 2**20:.2f}"
 
@@ -46,22 +42,6 @@ def bytes_cells(row, label):
                            megabytes(allowed["ring_bytes"]) if allowed else "n/a", ratio]
 
 
-def bytes_markdown(report, markdown_table, label):
-    rows = bytes_rows(report)
-    if not rows:
-        return []
-    return ["Bytes sent per step:", "", *markdown_table(BYTES_COLUMNS, [bytes_cells(row, label) for row in rows]), "",
-            BYTES_LEGEND, ""]
-
-
-def bytes_terminal(report, terminal_table, label):
-    rows = bytes_rows(report)
-    if not rows:
-        return []
-    return ["", "bytes sent per step (rank 0):",
-            *terminal_table(BYTES_COLUMNS, [bytes_cells(row, label) for row in rows])]
-
-
 # ----------------------------------------------------------------------------- the projection (a model)
 
 # Interconnects named with their published bandwidth per GPU and direction, in GB/s (1e9 bytes), as the
@@ -73,6 +53,9 @@ PUBLISHED_LINKS = (
 )
 PROJECTION_COLUMNS = ["row", "compute ms", *(f"{gpus} GPUs, {short}: step ms serial / overlapped (efficiency)"
                                              for gpus, short, _, _ in PUBLISHED_LINKS)]
+PROJECTION_TITLE = ("Projection (a model, not a measurement) of each row's step at 8 and 64 GPUs, from its measured "
+                    "bytes per step, its own compute time and a published bandwidth: "
+                    + "; ".join(description for _, _, description, _ in PUBLISHED_LINKS))
 CHECK_COLUMNS = ["row", "processes", "compute ms", "communication ms (model)", "predicted step ms serial",
                  "overlapped", "measured step ms", "error serial", "error overlapped"]
 
@@ -159,12 +142,6 @@ def check_cells(row, label):
             f"{here['error_serial']:+.0%}", f"{here['error_overlapped']:+.0%}"]
 
 
-def projection_title(report):
-    links = "; ".join(description for _, _, description, _ in PUBLISHED_LINKS)
-    return ("Projection (a model, not a measurement) of each row's step at 8 and 64 GPUs, from its measured bytes "
-            f"per step, its own compute time and a published bandwidth: {links}")
-
-
 def check_title(report):
     links = report.get("interconnect") or {}
     measured = ", ".join(f"{count} processes {link['busbw']:.2f} GB/s, {link['latency_s'] * 1000:.2f} ms a call"
@@ -184,32 +161,16 @@ CHECK_LEGEND = ("The same model for the rows profiled here: their compute (the r
                 "machine's measured bus bandwidth, against their mean recorded step. error: predicted / measured - 1.")
 
 
-def projection_markdown(report, markdown_table, label):
-    rows = [row for row in report["rows"] if row.get("projection")]
-    if not rows:
-        return []
-    text = [projection_title(report) + ":", "", *markdown_table(PROJECTION_COLUMNS,
-                                                              [projection_cells(row, label) for row in rows])]
-    text += ["", PROJECTION_LEGEND, ""]
-    checked = [row for row in rows if row["projection"]["here"]]
-    if checked:
-        text += [check_title(report) + ":", "",
-                 *markdown_table(CHECK_COLUMNS, [check_cells(row, label) for row in checked])]
-        text += ["", CHECK_LEGEND, ""]
-    return text
-
-
-def projection_terminal(report, terminal_table, label):
-    rows = [row for row in report["rows"] if row.get("projection")]
-    if not rows:
-        return []
-    text = ["", projection_title(report) + ":"]
-    text += terminal_table(PROJECTION_COLUMNS, [projection_cells(row, label) for row in rows])
-    checked = [row for row in rows if row["projection"]["here"]]
-    if checked:
-        text += ["", check_title(report) + ":"]
-        text += terminal_table(CHECK_COLUMNS, [check_cells(row, label) for row in checked])
-    return text
+def sections(report, label):
+    """The tables of bytes sent and of the projection, as bench/report.sections has them; `label`: report.row_label."""
+    sent = [row for row in report["rows"] if row["status"] == "ok" and row.get("collective_bytes")]
+    projected = [row for row in report["rows"] if row.get("projection")]
+    checked = [row for row in projected if row["projection"]["here"]]
+    return [("Bytes sent per step", BYTES_COLUMNS, [bytes_cells(row, label) for row in sent], [],
+             BYTES_LEGEND),
+            (PROJECTION_TITLE, PROJECTION_COLUMNS, [projection_cells(row, label) for row in projected], [],
+             PROJECTION_LEGEND),
+            (check_title(report), CHECK_COLUMNS, [check_cells(row, label) for row in checked], [], CHECK_LEGEND)]
 
 
 def measure_interconnect(report, max_samples, output_dir):

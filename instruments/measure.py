@@ -310,9 +310,7 @@ def compute_precision(trainer):
     """What the matrix products compute in: the mixed precision's 16-bit type, else TF32 where --tf32
     asked for it, else IEEE fp32."""
     precision = trainer.strategy.precision
-    if precision == "fp32" and trainer.args.tf32:
-        return "tf32"
-    return precision
+    return "tf32" if precision == "fp32" and trainer.args.tf32 else precision
 
 
 def published_mfu(device, precision, flop_per_second, devices):

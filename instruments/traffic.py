@@ -12,6 +12,7 @@ DDP and ZeRO-1/2 an all-reduce of the gradients, 2(n-1)/n P b; ZeRO-3 and FSDP a
 weights in forward and again in backward and a reduce-scatter of the gradients, 3(n-1)/n P b."""
 import atexit
 import collections
+import math
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "broadcast", "reduce", "other")
 RING_FACTORS = {"all-reduce": lambda n: 2 * (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n,
@@ -51,8 +52,8 @@ def collective_calls(events, world_size):
         tensors = shapes if shapes and isinstance(shapes[0], list) else [shapes]
         type_name = event.input_dtypes[argument]
         if type_name == "TensorList":  # its type is in the backend's record of the call (else fp32's assumed)
-            type_name = types[shape_key(tensors[0])].popleft() if types[shape_key(tensors[0])] else "float"
-        size = sum(numel(shape) for shape in tensors) * ELEMENT_BYTES.get(type_name, 4)
+            type_name = types[tuple(tensors[0])].popleft() if types[tuple(tensors[0])] else "float"
+        size = sum(math.prod(shape) for shape in tensors) * ELEMENT_BYTES.get(type_name, 4)
         calls.append((kind, size * (world_size if per_process else 1)))
     return calls
 
@@ -63,8 +64,7 @@ def element_types(events):
     for event in sorted((e for e in events if e.name.startswith(BACKENDS)), key=lambda e: e.time_range.start):
         if event.structured_input_shapes and event.input_dtypes:
             first = event.structured_input_shapes[0]
-            types[shape_key(first[0] if first and isinstance(first[0], list) else first)].append(
-                event.input_dtypes[0])
+            types[tuple(first[0] if first and isinstance(first[0], list) else first)].append(event.input_dtypes[0])
     return types
 
 
@@ -77,31 +77,15 @@ def inside_c10d(event):
     return False
 
 
-def shape_key(shape):
-    return tuple(shape)
-
-
-def numel(shape):
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def per_step(calls, steps, world_size, source, note=None):
+def per_step(calls, steps, world_size, source):
     """result.json's collective_bytes: per process and optimizer step, the payload bytes and calls of
     each kind, and what a ring moves in and out of each process."""
-    kinds = {}
-    for kind, size in calls:
-        totals = kinds.setdefault(kind, {"bytes": 0, "calls": 0})
-        totals["bytes"] += size
-        totals["calls"] += 1
-    kinds = {kind: {"bytes": round(kinds[kind]["bytes"] / steps), "calls": round(kinds[kind]["calls"] / steps, 2)}
-             for kind in KINDS if kind in kinds}
+    sizes = {kind: [size for called, size in calls if called == kind] for kind in KINDS}
+    kinds = {kind: {"bytes": round(sum(sizes[kind]) / steps), "calls": round(len(sizes[kind]) / steps, 2)}
+             for kind in KINDS if sizes[kind]}
     return {"steps": steps, "processes": world_size, "source": source, "kinds": kinds,
             "payload_bytes": sum(kind["bytes"] for kind in kinds.values()),
-            "ring_bytes": round(sum(ring_bytes(kind, totals["bytes"], world_size) for kind, totals in kinds.items())),
-            **({"note": note} if note else {})}
+            "ring_bytes": round(sum(ring_bytes(kind, totals["bytes"], world_size) for kind, totals in kinds.items()))}
 
 
 def ring_bytes(kind, payload, world_size):

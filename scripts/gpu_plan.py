@@ -24,6 +24,7 @@ every row's table last.
 import argparse
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -243,8 +244,7 @@ def unit_limit(unit, time_left):
 def plan(selected, budget, measured, sweep=SWEEP, batch_size=32, device="cuda"):
     units = units_of(selected, measured, sweep, batch_size, device)
     available = None if budget is None else budget - SETUP_SECONDS - CLOSING_SECONDS
-    kept, dropped = select(units, available)
-    return Plan(units, kept, dropped)
+    return Plan(units, *select(units, available))
 
 
 def second_command(units, planned):
@@ -336,8 +336,8 @@ def describe(plan, args, measured_from):
     """The dry-run's text: every unit, kept or dropped, with its estimate and timeout, and the command."""
     lines = [f"gpu-check plan: --model {args.model} --max-steps {args.max_steps}, budget "
              f"{f'{args.budget:.0f} s' if args.budget else 'none'}; estimates for one H200 (an H100's compute) from "
-             f"{measured_from}; each unit one launch: benchmark.py's own start and end {BENCHMARK_OVERHEAD_SECONDS} s"]
-    lines.append(f"  {'unit':<26} {'est s':>6} {'timeout':>8}  source")
+             f"{measured_from}; each unit one launch: benchmark.py's own start and end {BENCHMARK_OVERHEAD_SECONDS} s",
+             f"  {'unit':<26} {'est s':>6} {'timeout':>8}  source"]
     kept = {id(unit) for unit in plan.kept}
     group = None
     for unit in plan.units:
@@ -354,14 +354,13 @@ def describe(plan, args, measured_from):
                  f"{worst:.0f} s with one launch running to its timeout, + {reserve} s set-up and packing"
                  + (f": {worst + reserve:.0f} s of the {args.budget:.0f} s budget" if args.budget else ""))
     if plan.dropped:
-        lines.append(f"dropped: {', '.join(unit.name for unit in plan.dropped)}; a second call runs them:")
-        lines.append(f"  {second_command(plan.dropped, plan.units)}")
-    lines.append("run it on one GPU without network, with the wheels made here (scripts/fetch-gpu-wheels.sh .whl, "
-                 "scripts/build-horovod-gpu-wheel.sh .whl):")
-    lines.append(f"  {THERE}")
-    lines.append(f"it brings back $OUT/{ARCHIVE} (every unit's benchmark.json, .md and .png, result.json and logs; "
-                 f"no weights), $OUT/{SUMMARY_JSON} and $OUT/{SUMMARY_MD}, rewritten after every unit; each group's "
-                 "table printed as it ends and every row's table last")
+        lines += [f"dropped: {', '.join(unit.name for unit in plan.dropped)}; a second call runs them:",
+                  f"  {second_command(plan.dropped, plan.units)}"]
+    lines += ["run it on one GPU without network, with the wheels made here (scripts/fetch-gpu-wheels.sh .whl, "
+              "scripts/build-horovod-gpu-wheel.sh .whl):", f"  {THERE}",
+              f"it brings back $OUT/{ARCHIVE} (every unit's benchmark.json, .md and .png, result.json and logs; "
+              f"no weights), $OUT/{SUMMARY_JSON} and $OUT/{SUMMARY_MD}, rewritten after every unit; each group's "
+              "table printed as it ends and every row's table last"]
     return "\n".join(lines)
 
 
@@ -475,18 +474,13 @@ def run(args, plan_units, measured):
     fresh_compile_cache(env, first=True)
     summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), "budget": args.budget,
                "device": args.device, "model": args.model, "units": []}
-    group = None
-    for unit in plan_units:
-        if unit.group != group:
-            if group is not None:
-                print_group(group, summary)
-            group = unit.group
-            print(f"\n== {group}: {GROUPS[group]}", flush=True)
-        summary["units"].append(run_unit(unit, args, measured, known, env, deadline))
-        if summary["units"][-1]["status"] == "stopped":
-            fresh_compile_cache(env)
-        pack(out, summary)
-    if group is not None:
+    for group, units in itertools.groupby(plan_units, key=lambda unit: unit.group):
+        print(f"\n== {group}: {GROUPS[group]}", flush=True)
+        for unit in units:
+            summary["units"].append(run_unit(unit, args, measured, known, env, deadline))
+            if summary["units"][-1]["status"] == "stopped":
+                fresh_compile_cache(env)
+            pack(out, summary)
         print_group(group, summary)
     pack(out, summary)
     return finish(out, summary, started)

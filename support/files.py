@@ -171,12 +171,16 @@ def read_json_object(path, what):
 
 
 def write_json(path, data):
-    """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
+    write_text(path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+
+
+def write_text(path, text):
+    """Write a file atomically: a reader sees the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = staged_name(path, "tmp")
     try:
-        staging.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        staging.write_text(text, encoding="utf-8")
         os.replace(staging, path)
     except BaseException:
         staging.unlink(missing_ok=True)

@@ -36,18 +36,13 @@ def resolve_model(choice):
         return choice
     if LOCAL_MODEL_DIR.is_dir():
         return str(LOCAL_MODEL_DIR)
-    if hub_has(HUB_MODEL_ID):
+    if hub_cached(HUB_MODEL_ID) or hub_reachable():  # cached here, or the hub answers within a few seconds
         return HUB_MODEL_ID
     banner = "=" * 78
     print(f"{banner}\n No {LOCAL_MODEL_DIR.relative_to(ROOT)} and no reachable hub: using the TINY randomly"
           f"\n initialised BERT. Figures measure the strategies, not Chinese BERT quality."
           f"\n See model_hub/README.md to get {HUB_MODEL_ID}.\n{banner}", file=sys.stderr)
     return "tiny"
-
-
-def hub_has(model_id):
-    """True when the hub model is cached locally or the hub answers within a few seconds."""
-    return hub_cached(model_id) or hub_reachable()
 
 
 def hub_cached(model_id):
