@@ -515,7 +515,8 @@ class Strategy:
         return tensor
 
     def unwrap(self, model):
-        # A wrapper's inner model (DDP's, DataParallel's, DeepSpeed's engine's): no "module." prefixes in the checkpoint.
+        # A wrapper's inner model (DDP's, DataParallel's, DeepSpeed's engine's): no "module." prefixes in the
+        # checkpoint.
         return getattr(model, "module", model)
 
     def save_model(self, model, tokenizer, path):
