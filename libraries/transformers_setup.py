@@ -134,9 +134,6 @@ class TransformersStrategy(common.TorchDistributed):
         self.launcher, self.deepspeed_config = launcher, deepspeed_config
         self.engine = None  # the DeepSpeed engine, for measure.py's model-state count
 
-    def unwrap(self, model):
-        return getattr(model, "module", model)  # the Trainer's wrapper (DDP's, DeepSpeed's engine) or the model
-
     def reduce_mean(self, tensor):
         return super().reduce_mean(tensor) if self.world_size > 1 else tensor
 
