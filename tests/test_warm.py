@@ -1,5 +1,6 @@
 """tests/warm.py, the warm launch the other files use for runs whose launcher is not the point: each rank
-gets what torchrun and accelerate launch give it, a failing rank ends the job, a hang its timeout."""
+gets what torchrun, accelerate launch and the deepspeed launcher give it, a failing rank ends the job, a
+hang its timeout."""
 import json
 import os
 import time
@@ -37,10 +38,11 @@ def ranks_seen(folder, processes):
     return seen
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate", "deepspeed"])
 def test_each_rank_gets_what_its_launcher_gives_it(tmp_path, launcher):
-    if launcher == "accelerate":
-        require("accelerate")
+    """torchrun and deepspeed as the runner launches them (bench/rows.py), accelerate launch with a config file."""
+    if launcher in ("accelerate", "deepspeed"):
+        require(launcher)
     folders = {kind: tmp_path / kind for kind in ("launched", "warm")}
     for folder in folders.values():
         folder.mkdir()
@@ -49,13 +51,16 @@ def test_each_rank_gets_what_its_launcher_gives_it(tmp_path, launcher):
                                             folder / "rank.py", "--an-option", "1"],
                 "accelerate": lambda folder: [BIN / "accelerate", "launch", "--config_file",
                                               "configs/accelerate/multi-gpu.yaml", "--main_process_port", port,
-                                              folder / "rank.py", "--an-option", "1"]}
+                                              folder / "rank.py", "--an-option", "1"],
+                "deepspeed": lambda folder: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", port,
+                                             folder / "rank.py", "--an-option", "1"]}
     port = free_port()
     run(commands[launcher](folders["launched"]))
     warm.run(commands[launcher](folders["warm"]))
     launched, warmed = ranks_seen(folders["launched"], 2), ranks_seen(folders["warm"], 2)
     for rank in (0, 1):
-        assert warmed[rank]["argv"][1:] == launched[rank]["argv"][1:] == ["--an-option", "1"]
+        local_rank = [f"--local_rank={rank}"] if launcher == "deepspeed" else []
+        assert warmed[rank]["argv"][1:] == launched[rank]["argv"][1:] == [*local_rank, "--an-option", "1"]
         assert warmed[rank]["environment"] == launched[rank]["environment"]
 
 

@@ -2,13 +2,14 @@
 from a process that has imported torch and transformers already (multiprocessing's forkserver), where a
 fresh Python spends 5 s of a tiny run's 6 importing them, in each rank and in the launcher too.
 
-`run(command)` takes the command a user types (`torchrun ...`, `accelerate launch ...`, `python SCRIPT`)
-and gives each rank what that launcher gives it: its environment (test_warm.py checks it against the
-real launcher's), its argv, the script run as __main__, its own stdout and stderr; like the launcher, it
-stops the other ranks when one fails, and a timeout kills them all. The forkserver imports nothing of
-this project: each run imports common and support/ under its own environment, as a fresh process does.
-Launchers whose libraries need their own environment (horovodrun, deepspeed, fabric run) and the spawn
-scripts, which start their own ranks, launch as before (conftest.run)."""
+`run(command)` takes the command a user types (`torchrun ...`, `accelerate launch ...`, `deepspeed ...`,
+`python SCRIPT`) and gives each rank what that launcher gives it: its environment (test_warm.py checks it
+against the real launcher's), its argv, the script run as __main__, its own stdout and stderr; like the
+launcher, it stops the other ranks when one fails, and a timeout kills them all. The forkserver imports
+nothing of this project: each run imports common and support/ under its own environment, as a fresh
+process does. `runner_launches()` sends benchmark.py's launches through it. Launchers whose libraries
+need their own environment (horovodrun, fabric run) and the spawn scripts, which start their own ranks,
+launch as before (conftest.run)."""
 import atexit
 import contextlib
 import multiprocessing
@@ -16,6 +17,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 # What every script imports, loaded once in the forkserver (transformers brings Accelerate, which reads its
@@ -38,6 +41,9 @@ TORCHRUN_DEFAULTS = {"OMP_NUM_THREADS": "1"}
 ACCELERATE = {"ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_DYNAMO_MODE": "default",
               "ACCELERATE_DYNAMO_USE_DYNAMIC": "False", "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
               "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False"}
+# What the deepspeed launcher's processes set where unset: importing deepspeed does (torch then asks NVML
+# whether CUDA is there).
+DEEPSPEED_DEFAULTS = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 # After the first rank fails, the others get SIGTERM and this long to end before SIGKILL (torchrun: 30 s).
 GRACE_SECONDS = 30
 
@@ -54,6 +60,14 @@ def torchrun_environment(rank, processes, port):
             "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def deepspeed_environment(rank, processes, port):
+    """What the deepspeed launcher (its launch.py, on one machine) gives rank `rank` of `processes`: its
+    accelerator's devices, CPU's and CUDA's alike, in CUDA_VISIBLE_DEVICES, one per process."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes), "CROSS_RANK": "0",
+            "CROSS_SIZE": "1", "LOCAL_SIZE": str(processes), "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(processes)))}
 
 
 def options(arguments, known, flags=()):
@@ -73,11 +87,15 @@ def options(arguments, known, flags=()):
 
 
 def plan(command):
-    """(script and its arguments, each rank's launcher environment) for `command`."""
-    program, *arguments = command
+    """(what the launcher sets where unset, each rank's (argv, launcher environment)) for `command`."""
+    program, *arguments = map(str, command)
     name = Path(program).name
-    if name.startswith("python") and not str(arguments[0]).startswith("-"):
-        return list(map(str, arguments)), [{}]
+    if name.startswith("python") and arguments[:2] == ["-m", "torch.distributed.run"]:  # what torchrun runs
+        name, arguments = "torchrun", arguments[2:]
+    if name.startswith("python") and not arguments[0].startswith("-"):
+        return {}, [(arguments, {})]
+    if name == "deepspeed":
+        return deepspeed_plan(arguments)
     if name == "torchrun":
         found, rest = options(arguments, {"__nproc_per_node", "__master_port"}, {"__standalone"})
         extra = {}
@@ -96,9 +114,24 @@ def plan(command):
     else:
         raise ValueError(f"warm.run does not emulate {name}: launch it (conftest.run)")
     processes = int(found.get("__nproc_per_node", 1))
-    from support.spawn_setup import free_port
     port = found.get("__master_port") or free_port()
-    return rest, [{**torchrun_environment(rank, processes, port), **extra} for rank in range(processes)]
+    return TORCHRUN_DEFAULTS if processes > 1 else {}, [
+        (rest, {**torchrun_environment(rank, processes, port), **extra}) for rank in range(processes)]
+
+
+def deepspeed_plan(arguments):
+    """plan() for `deepspeed --num_gpus N [--master_port P] SCRIPT ...`: its launch.py passes each rank
+    --local_rank before the script's own arguments."""
+    found, (script, *rest) = options(arguments, {"__num_gpus", "__master_port"})
+    assert "__num_gpus" in found, "deepspeed without --num_gpus starts a process per device it finds"
+    processes, port = int(found["__num_gpus"]), found.get("__master_port") or free_port()
+    return DEEPSPEED_DEFAULTS, [([script, f"--local_rank={rank}", *rest], deepspeed_environment(rank, processes, port))
+                                for rank in range(processes)]
+
+
+def free_port():
+    from support import spawn_setup  # here: the forkserver imports nothing of this project
+    return spawn_setup.free_port()
 
 
 def server():
@@ -187,18 +220,19 @@ def wait(processes, timeout):
 
 
 def run(command, timeout=600, env=None, check=True):
-    """conftest.run(command, ...) for a torchrun, accelerate launch or `python SCRIPT` command, warm. Returns
-    a CompletedProcess: the exit status of the rank that failed first (else 0), the ranks' stdout and stderr joined in
-    rank order; `.ranks` holds each rank's (exit status, stdout, stderr)."""
-    arguments, launcher = plan(command)
+    """conftest.run(command, ...) for a torchrun, accelerate launch, deepspeed or `python SCRIPT` command, warm.
+    Returns a CompletedProcess: the exit status of the rank that failed first (else 0), the ranks' stdout and
+    stderr joined in rank order; `.ranks` holds each rank's (exit status, stdout, stderr)."""
+    defaults, ranks = plan(command)
     changed = [name for name in env or {} if name.startswith(READ_AT_IMPORT)]
     if changed:
         raise ValueError(f"{changed} are read when the preloaded libraries are imported: launch it (conftest.run)")
     with tempfile.TemporaryDirectory(prefix="warm-") as folder:
-        ranks, (problem, first) = start_and_wait(arguments, launcher, env, Path(folder), timeout)
-    completed = subprocess.CompletedProcess(list(map(str, command)), 0 if first is None else ranks[first][0],
-                                            "".join(out for _, out, _ in ranks), "".join(err for _, _, err in ranks))
-    completed.ranks = ranks
+        ended, (problem, first) = start_and_wait(ranks, {**defaults, **os.environ, **(env or {})}, Path(folder),
+                                                 timeout)
+    completed = subprocess.CompletedProcess(list(map(str, command)), 0 if first is None else ended[first][0],
+                                            "".join(out for _, out, _ in ended), "".join(err for _, _, err in ended))
+    completed.ranks = ended
     if problem and (check or problem.startswith("still ran")):
         import pytest
         pytest.fail(f"warm: {' '.join(completed.args)} {problem}\n--- stdout\n{completed.stdout[-4000:]}\n"
@@ -206,18 +240,54 @@ def run(command, timeout=600, env=None, check=True):
     return completed
 
 
-def start_and_wait(arguments, launcher, env, logs, timeout):
-    """Each rank's (exit status, stdout, stderr), and wait's answer."""
+def start_and_wait(ranks, inherited, logs, timeout):
+    """Each rank's (exit status, stdout, stderr), and wait's answer; `inherited`: the environment the
+    launcher passes on."""
     processes = []
-    for rank, variables in enumerate(launcher):
-        environment = {**(TORCHRUN_DEFAULTS if len(launcher) > 1 else {}), **os.environ, **(env or {}), **variables}
-        if variables:
+    for rank, (arguments, variables) in enumerate(ranks):
+        environment = {**inherited, **variables}
+        if "TORCHELASTIC_RUN_ID" in variables:  # torchrun's
             environment["TORCHELASTIC_ERROR_FILE"] = str(logs / f"error-{rank}.json")
         processes.append(server().Process(target=rank_main, args=(arguments, environment, str(logs / str(rank)))))
         processes[-1].start()
     problem = wait(processes, timeout)
     return [(process.exitcode, *(read(logs / f"{rank}.{suffix}") for suffix in ("out", "err")))
             for rank, process in enumerate(processes)], problem
+
+
+def launch(command, log_path, timeout, cwd, env=None, shown=None):
+    """support.launching.launch, warm (runner_launches): the log gets the command, each rank's stdout and
+    stderr in rank order, and how it ended; the ranks' CPU seconds count as the runner's children's."""
+    from support import launching
+    assert Path(cwd) == ROOT, cwd
+    before, started, spent = launching.CpuTimes.now(), time.perf_counter(), cpu_seconds()
+    completed = run(command, timeout, {"PYTHONUNBUFFERED": "1", **(env or {})}, check=False)
+    spent, wall, now = cpu_seconds() - spent, time.perf_counter() - started, launching.CpuTimes.now()
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"$ {shown or shlex.join(map(str, command))}\n{completed.stdout}{completed.stderr}"
+                  f"$ # exit status {completed.returncode}, {wall:.1f} s wall, {spent:.1f} CPU s (warm)\n")
+    return launching.Launched(completed.returncode, wall, before, now._replace(children=now.children + spent), spent)
+
+
+def measured_like_subprocess(command, cwd, timeout, **_):
+    """subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=...), warm: how bench/traffic.py
+    runs microbenchmarks/allreduce.py."""
+    assert Path(cwd) == ROOT, cwd
+    return run(command, timeout, check=False)
+
+
+@contextlib.contextmanager
+def runner_launches():
+    """While benchmark.py runs in the tests' interpreter (conftest.run_in_process): its rows' launches and
+    the all-reduce it measures, warm. A launch that does not end in its timeout fails the test."""
+    import pytest
+
+    from bench import traffic
+    from support import launching
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launching, "launch", launch)
+        patch.setattr(traffic, "subprocess", SimpleNamespace(run=measured_like_subprocess))
+        yield
 
 
 def read(path):
