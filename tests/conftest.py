@@ -132,10 +132,10 @@ def run_in_process(command, env=None):
     return subprocess.CompletedProcess(command, returncode, stdout.getvalue(), stderr.getvalue())
 
 
-def run_here(command):
+def run_here(command, env=None):
     """run(command) for `python SCRIPT ARGS...` in this interpreter (run_in_process): the test fails on
     a non-zero exit and shows the end of stderr."""
-    process = run_in_process(command[1:])
+    process = run_in_process(command[1:], env)
     if process.returncode != 0:
         pytest.fail(f"{' '.join(map(str, command))} exited {process.returncode}\n--- stderr\n{process.stderr[-4000:]}")
     return process
@@ -440,20 +440,24 @@ def profiled_benchmark(tmp_path_factory):
     (output folder, {row: benchmark.json row}). test_anatomy.py reads the anatomy, test_benchmark.py
     how variants and per-strategy options reach their rows, test_grad_accum.py each row's weights,
     single_reference's as every accumulating run's (ACCUMULATING: the others), and DDP's gradient
-    all-reduces, counted (tests/hooks.py); test_single.py that checkpointing trains the same weights."""
+    all-reduces, counted (tests/hooks.py); test_single.py that checkpointing trains the same weights.
+    Warm: benchmark.py in this interpreter, its launches through tests/warm.py, which gives each rank what
+    its launcher would (test_warm.py); the runner's real launches: test_benchmark.py's failing row."""
     require("deepspeed")
 
     def launch(output):
         import hooks
         config = output / "zero3.json"
         config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-        run([PYTHON, "benchmark.py", "--only", ",".join(PROFILED_ROWS), "--nprocs", "2", "--global-batch", "32",
-             "--grad-accum", "2", "--profile", "3",
-             "--variant", f"zero3-sharded-all=deepspeed:--zero-stage 3 --deepspeed-config {config}",
-             "--strategy-args", "deepspeed=--offload none", "--strategy-args", "fsdp=--no-reshard-after-forward",
-             "--strategy-args", "single=--gradient-checkpointing",
-             "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu", *EXACT,
-             "--output-dir", str(output)], env={**CPU_ONLY, hooks.COUNT_ALLREDUCES_ENV: "1"}, timeout=1200)
+        command = [PYTHON, "benchmark.py", "--only", ",".join(PROFILED_ROWS), "--nprocs", "2", "--global-batch", "32",
+                   "--grad-accum", "2", "--profile", "3",
+                   "--variant", f"zero3-sharded-all=deepspeed:--zero-stage 3 --deepspeed-config {config}",
+                   "--strategy-args", "deepspeed=--offload none", "--strategy-args", "fsdp=--no-reshard-after-forward",
+                   "--strategy-args", "single=--gradient-checkpointing",
+                   "--model", "tiny", "--max-samples", str(SAMPLES), "--dev-ratio", "0.2", "--device", "cpu", *EXACT,
+                   "--output-dir", str(output)]
+        with warm.runner_launches():
+            run_here(command, env={**CPU_ONLY, hooks.COUNT_ALLREDUCES_ENV: "1"})
         return output, {row["row"]: row for row in json.loads((output / "benchmark.json").read_text())["rows"]}
     return once_per_session(tmp_path_factory, "profiled-benchmark", launch)
 

@@ -43,8 +43,8 @@ def answered_launches(monkeypatch, launched):
     """Each launch of benchmark.py run in this process answered at once by a result.json as its script
     writes one: the committed run's of its strategy, at the launch's process count and batch (the
     runner's options), `launched` the runs' train seconds in order of launch, 3 step shapes and 60% of the
-    FLOPs on real tokens. A test of the runner's own part: the rows' real launches are the profiled run's
-    and the failing row's. Returns the launches: (row, command)."""
+    FLOPs on real tokens. A test of the runner's own part: the rows' launches are the profiled run's (warm)
+    and the failing row's (real). Returns the launches: (row, command)."""
     committed = json.loads(estimate.REFERENCE_RUN.read_text(encoding="utf-8"))["rows"]
     launches = []
 
@@ -207,14 +207,16 @@ def test_a_batch_sweep_runs_each_row_at_each_batch_and_charts_its_mfu(tmp_path, 
 
 
 def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path):
+    """The runner's real launches (the profiled run's are warm): single under python, DDP under torchrun,
+    from benchmark.py run in this process."""
     # A stale result from an earlier run must not be reported for a launch that fails.
     (tmp_path / "ddp").mkdir()
     (tmp_path / "ddp" / "result.json").write_text('{"train_seconds": 1.0}', encoding="utf-8")
     # Rank 1 exists only in the 2-process DDP run: the single-device run is untouched.
     # With OMP_NUM_THREADS=1 exported, as torchrun sets it for several processes: the thread policy
     # still gives the one process of single every usable core.
-    process = run([PYTHON, "benchmark.py", "--only", "single,ddp", *DATA, "--output-dir", str(tmp_path)],
-                  env={**CPU_ONLY, "SUITE_FAIL_AT": "1:2", "OMP_NUM_THREADS": "1"}, check=False, timeout=900)
+    process = run_in_process(["benchmark.py", "--only", "single,ddp", *DATA, "--output-dir", str(tmp_path)],
+                             env={**CPU_ONLY, "SUITE_FAIL_AT": "1:2", "OMP_NUM_THREADS": "1"})
 
     assert process.returncode == 1, process.stdout + process.stderr
     assert "not all rows succeeded: ddp" in process.stderr
