@@ -15,8 +15,9 @@ import pytest
 
 from support import checkpoints, cli, launch
 from support.launch import STOP_SIGNALS
+import warm
 from conftest import (BIN, EXACT, PYTHON, ROOT, SMALL, assert_no_process_left, assert_same_weights, free_port, require,
-                      run, run_in_process)
+                      run_in_process)
 
 
 def digest(folder):
@@ -50,8 +51,8 @@ NEEDS = {"horovodrun": "horovod", "deepspeed": "deepspeed", "accelerate launch":
 # deepspeed's command of both: their ranks stop with them. DataLoader workers (WORKERS' group cases:
 # one process alone, one launched) leave both to their process. A signal's checkpoint is saved as
 # --save-steps' are: it is resumed once per kind of save (whole under the legacy launcher, DeepSpeed's
-# under its command, collective under fabric run); test_resume.py resumes the others' strategies
-# under the same launchers (single, spawn, torchrun, horovodrun, accelerate launch).
+# under its command, collective under fabric run), warm under torchrun (under_torchrun); test_resume.py
+# resumes the others' strategies (single, spawn, torchrun, horovodrun, accelerate launch).
 SIGNALLED = [("python", "SIGTERM", "group", 75, False), ("python dataparallel", "SIGUSR1", "launcher", 75, False),
              ("python spawn", "SIGUSR1", "launcher", 75, False), ("python spawn", "SIGTERM", "group", 75, False),
              ("torchrun", "SIGTERM", "launcher", 1, False), ("torchrun", "SIGUSR1", "launcher", -10, False),
@@ -64,6 +65,13 @@ SIGNALLED = [("python", "SIGTERM", "group", 75, False), ("python dataparallel", 
              ("fabric run", "SIGTERM", "launcher", 1, True)]
 
 WORKERS = {"python", "torch.distributed.launch"}
+
+
+def under_torchrun(command):
+    """A LAUNCH command's script and options under torchrun, 2 processes: every resumed script runs under it
+    (the DeepSpeed and Fabric scripts too), and warm.run emulates it."""
+    script = next(index for index, part in enumerate(command) if str(part).endswith("-cls.py"))
+    return [BIN / "torchrun", "--nproc_per_node", "2", *command[script:]]
 
 
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
@@ -129,8 +137,8 @@ def test_a_signal_saves_the_step_stops_every_process_and_resumes_to_the_single_d
         checkpoints.MEANING_FILE)] == [step]  # whole or sharded (DeepSpeed's, in a folder of its step)
     assert "failed" not in output and "killed by signal" not in output
     assert launcher.returncode == status, output
-    if resumed:
-        process = run([*command, "--resume"])
+    if resumed:  # warm: the kind of checkpoint the signal saved is the point, not the resume's launcher
+        process = warm.run([*under_torchrun(command), "--resume"])
         assert f"--resume: continuing from step {step}" in process.stdout
         assert_same_weights(single_reference / "model", tmp_path / "model")
 
