@@ -21,9 +21,9 @@ from conftest import (BIN, ONE_PROCESS, RESUMABLE, RESUME, ROOT, assert_same_wei
 from test_bad_input import assert_clean_error
 
 # The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
-# The uninterrupted run each resumed one must equal: one device at 16 x 2 micro-batches, or 2
-# processes x 16 (DDP, and every strategy that draws the same dropout masks).
-REFERENCE = {"single": "single", "dataparallel": "single"}
+# The uninterrupted run each resumed one must equal: one device at 16 x 2 micro-batches (and each run of
+# one process), or 2 processes x 16 (DDP, and every strategy that draws the same dropout masks).
+REFERENCE = {"single": "single", "dataparallel": "single", "ddp-amp": "single"}
 
 
 @pytest.fixture(scope="module")
