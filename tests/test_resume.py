@@ -2,6 +2,7 @@
 of the run that never stopped, with dropout on and across an epoch boundary; a checkpoint resumes
 only into a run where its step means the same samples, and only where every process can read it."""
 import argparse
+import concurrent.futures
 import json
 import re
 import shutil
@@ -87,25 +88,26 @@ def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_pat
 
 
 def test_a_checkpoint_one_machine_cannot_read_fails_the_job_in_one_line(tmp_path, crashed_ddp):
-    """Two 'machines' of one process each, without a shared --output-dir: only rank 0's has the checkpoint."""
+    """Two 'machines' of one process each, without a shared --output-dir: only rank 0's has the checkpoint.
+    Warm, each rank with what `torchrun --nnodes 2 --node_rank N --nproc_per_node 1` gives it (the
+    launcher is not the point: test_several_machines.py starts two machines' launchers)."""
     shutil.copytree(crashed_ddp, tmp_path / "node0")
     port = free_port()
-    nodes = [subprocess.Popen([BIN / "torchrun", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-                               "--master_addr", "127.0.0.1", "--master_port", port, "multi-gpu-distributed-cls.py",
-                               *RESUME, "--batch-size", "16", "--threads", "1", "--resume",
-                               "--output-dir", str(tmp_path / f"node{node}")],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert all(node.returncode != 0 for node in nodes)
-    stderr = outputs[0][1]
-    assert "error: --resume: rank 0 found a checkpoint" in stderr
-    assert "--output-dir must be on a filesystem every machine shares" in stderr
-    assert "error: --resume" not in outputs[1][1]  # rank 0 speaks for all
+
+    def machine(node):
+        environment = {**warm.torchrun_environment(node, 2, port), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2"}
+        (logs := tmp_path / f"logs{node}").mkdir()
+        ranks, _ = warm.start_and_wait(["multi-gpu-distributed-cls.py", *RESUME, "--batch-size", "16", "--threads",
+                                        "1", "--resume", "--output-dir", str(tmp_path / f"node{node}")],
+                                       [environment], None, logs, timeout=300)
+        return ranks[0]
+    with concurrent.futures.ThreadPoolExecutor(2) as machines:
+        (code0, _, stderr0), (code1, _, stderr1) = machines.map(machine, (0, 1))
+    assert code0 != 0 and code1 != 0
+    assert "error: --resume: rank 0 found a checkpoint" in stderr0
+    assert "--output-dir must be on a filesystem every machine shares" in stderr0
+    assert "error: --resume" not in stderr1  # rank 0 speaks for all
 
 
 @pytest.mark.parametrize("damaged", [checkpoints.CHECKPOINT_FILE, checkpoints.MEANING_FILE])
