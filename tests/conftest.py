@@ -375,6 +375,9 @@ RESUME_ENV = {"deepspeed": {"DS_ACCELERATOR": "cuda"}}
 # interpreter, which has imported torch already. Their crashed runs, whose ends other files read, launch.
 ONE_PROCESS = ("single", "dataparallel")
 ONE_RANK = (*ONE_PROCESS, "ddp-amp")  # their failure is injected in rank 0
+# DDP's crash takes --model auto, as a first run does: without model_hub/'s model and the hub, rank 0 alone
+# resolves it, to the tiny model (test_resume.py). Where model_hub/ holds the real model, --model tiny.
+FIRST_RUN = {"ddp": (["--model", "auto"], {"HF_HUB_OFFLINE": "1"})}
 # DeepSpeed's run crashes under its own launcher (test_reliability.py reads how it ends the job), and
 # its checkpoint resumes under torchrun.
 CRASHING = {"deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
@@ -399,11 +402,13 @@ def crashed_run(tmp_path_factory):
             require(NEEDS[strategy])
 
         def launch(output):
+            from support import models
             failing_rank = 0 if strategy in ONE_RANK else 1
+            options, env = ([], {}) if models.LOCAL_MODEL_DIR.is_dir() else FIRST_RUN.get(strategy, ([], {}))
             started = time.monotonic()
             process = (warm.run if strategy in WARM_CRASHES else run)(
-                [*CRASHING.get(strategy, RESUMABLE[strategy])(), *RESUME, "--output-dir", str(output)],
-                check=False, env={"SUITE_FAIL_AT": f"{failing_rank}:10"})
+                [*CRASHING.get(strategy, RESUMABLE[strategy])(), *RESUME, *options, "--output-dir", str(output)],
+                check=False, env={**env, "SUITE_FAIL_AT": f"{failing_rank}:10"})
             seconds = time.monotonic() - started
             deadline = time.monotonic() + 10
             while processes_mentioning(str(output)) and time.monotonic() < deadline:

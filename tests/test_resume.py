@@ -18,7 +18,7 @@ from support import checkpoints, models
 from support.errors import UserError
 from support.options import resolve
 from conftest import (BIN, ONE_PROCESS, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_curves,
-                      read_result, require, run, run_here, run_in_process)
+                      read_result, require, run_here, run_in_process)
 from test_bad_input import assert_clean_error
 
 # The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
@@ -43,12 +43,16 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.fixture
 def crashed_ddp(crashed_run):
-    """The folder of the 2-process DDP run that crashed at step 10, its checkpoint step 8's."""
-    output = crashed_run("ddp").output
-    meaning = json.loads((output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))
+    """The folder of the 2-process DDP run that crashed at step 10, its checkpoint step 8's. It took --model
+    auto (conftest's FIRST_RUN): rank 0 alone resolved it, and the checkpoint records what it resolved."""
+    crashed = crashed_run("ddp")
+    meaning = json.loads((crashed.output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))
     assert meaning["step"] == 8 and meaning["world_size"] == 2 and meaning["global_batch_size"] == 32
     assert meaning["precision"] == "fp32"  # an fp16 checkpoint (a gradient scaler) resumes only into fp16
-    return output
+    assert meaning["model"] == "tiny"
+    if not models.LOCAL_MODEL_DIR.is_dir():
+        assert crashed.process.stderr.count("using the TINY randomly") == 1
+    return crashed.output
 
 
 @pytest.mark.parametrize("strategy", list(RESUMABLE))
@@ -72,19 +76,17 @@ def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(uninterrupte
 
 
 def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_path, crashed_ddp):
+    """3 processes, warm: the step would mean other samples. --model tiny is what the checkpoint's --model
+    auto resolved to, which is what it compares."""
     shutil.copytree(crashed_ddp, tmp_path, dirs_exist_ok=True)
-    # 3 processes: the step would mean other samples. --model auto is resolved once, by rank 0.
-    auto = [argument for argument in RESUME if argument not in ("--model", "tiny")]
-    process = run([BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
-                   "multi-gpu-distributed-cls.py", *auto, "--model", "auto", "--batch-size", "16", "--resume",
-                   "--output-dir", str(tmp_path)], env={"HF_HUB_OFFLINE": "1"}, check=False)
+    process = warm.run([BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
+                        "multi-gpu-distributed-cls.py", *RESUME, "--batch-size", "16", "--resume",
+                        "--output-dir", str(tmp_path)], check=False)
     assert process.returncode != 0
     errors = [line for line in process.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: --resume: the checkpoint in {tmp_path / 'checkpoint'} was written with world_size 2 "
                       "(now 3), global_batch_size 32 (now 48): here its step would mean other samples, numbers or "
                       "files. Resume with its settings, or remove it"], process.stderr
-    if not models.LOCAL_MODEL_DIR.is_dir():
-        assert process.stderr.count("using the TINY randomly") == 1
 
 
 def test_a_checkpoint_one_machine_cannot_read_fails_the_job_in_one_line(tmp_path, crashed_ddp):
