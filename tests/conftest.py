@@ -353,8 +353,10 @@ RESUMABLE = {
     "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "16"],
     # In fp32: on a CPU the AMP script's bf16 has no gradient scaler to save (fp16, with one, needs a
     # GPU: tests/test_gpu.py), and emulated bf16 would only make the three runs several times slower.
-    "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "16",
-                        "--precision", "fp32"],
+    # One process x 16 x 2 micro-batches, as one device: what the script adds to the spawn one is its
+    # strategy's state, which needs no second process (spawn's resume runs their shared worker at 2).
+    "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "1", "--batch-size", "16",
+                        "--grad-accum", "2", "--precision", "fp32"],
     "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
                         PYTHON, "multi-gpu-horovod-cls.py", "--batch-size", "16"],
     "fsdp": lambda: [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "multi-gpu-fsdp-cls.py",
@@ -372,14 +374,21 @@ RESUME_ENV = {"deepspeed": {"DS_ACCELERATOR": "cuda"}}
 # `python SCRIPT`, one process: resumed (and single's uninterrupted run, test_resume.py) in the tests'
 # interpreter, which has imported torch already. Their crashed runs, whose ends other files read, launch.
 ONE_PROCESS = ("single", "dataparallel")
+ONE_RANK = (*ONE_PROCESS, "ddp-amp")  # their failure is injected in rank 0
+# DDP's crash takes --model auto, as a first run does: without model_hub/'s model and the hub, rank 0 alone
+# resolves it, to the tiny model (test_resume.py). Where model_hub/ holds the real model, --model tiny.
+FIRST_RUN = {"ddp": (["--model", "auto"], {"HF_HUB_OFFLINE": "1"})}
 # DeepSpeed's run crashes under its own launcher (test_reliability.py reads how it ends the job), and
 # its checkpoint resumes under torchrun.
 CRASHING = {"deepspeed": lambda: [BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(),
                                   "multi-gpu-deepspeed-cls.py", "--zero-stage", "2", "--device", "cpu",
                                   "--batch-size", "16"]}
 # Warm (tests/warm.py), their launchers proven elsewhere: the resumes under torchrun and accelerate launch
-# (whose crashed runs, launched, test_native.py and test_reliability.py read), single's crash.
-WARM_RESUMES, WARM_CRASHES = ("ddp", "fsdp", "deepspeed", "accelerate"), ("single",)
+# (whose crashed runs, launched, test_native.py and test_reliability.py read), single's crash. The spawn
+# scripts' resumes and the AMP script's crash start their parent warm, which spawns its ranks as always
+# (spawn's crash, launched, test_native.py reads).
+WARM_RESUMES = ("ddp", "fsdp", "deepspeed", "accelerate", "ddp-spawn", "ddp-amp")
+WARM_CRASHES = ("single", "ddp-amp")
 CrashedRun = collections.namedtuple("CrashedRun", "process seconds orphans output")
 
 
@@ -393,11 +402,13 @@ def crashed_run(tmp_path_factory):
             require(NEEDS[strategy])
 
         def launch(output):
-            failing_rank = 0 if strategy in ("single", "dataparallel") else 1
+            from support import models
+            failing_rank = 0 if strategy in ONE_RANK else 1
+            options, env = ([], {}) if models.LOCAL_MODEL_DIR.is_dir() else FIRST_RUN.get(strategy, ([], {}))
             started = time.monotonic()
             process = (warm.run if strategy in WARM_CRASHES else run)(
-                [*CRASHING.get(strategy, RESUMABLE[strategy])(), *RESUME, "--output-dir", str(output)],
-                check=False, env={"SUITE_FAIL_AT": f"{failing_rank}:10"})
+                [*CRASHING.get(strategy, RESUMABLE[strategy])(), *RESUME, *options, "--output-dir", str(output)],
+                check=False, env={**env, "SUITE_FAIL_AT": f"{failing_rank}:10"})
             seconds = time.monotonic() - started
             deadline = time.monotonic() + 10
             while processes_mentioning(str(output)) and time.monotonic() < deadline:

@@ -2,6 +2,7 @@
 of the run that never stopped, with dropout on and across an epoch boundary; a checkpoint resumes
 only into a run where its step means the same samples, and only where every process can read it."""
 import argparse
+import concurrent.futures
 import json
 import re
 import shutil
@@ -17,13 +18,13 @@ from support import checkpoints, models
 from support.errors import UserError
 from support.options import resolve
 from conftest import (BIN, ONE_PROCESS, RESUMABLE, RESUME, ROOT, assert_same_weights, free_port, read_curves,
-                      read_result, require, run, run_here, run_in_process)
+                      read_result, require, run_here, run_in_process)
 from test_bad_input import assert_clean_error
 
 # The resumed run continues from step 8, in epoch 1, and crosses into epoch 2 (conftest's RESUME).
-# The uninterrupted run each resumed one must equal: one device at 16 x 2 micro-batches, or 2
-# processes x 16 (DDP, and every strategy that draws the same dropout masks).
-REFERENCE = {"single": "single", "dataparallel": "single"}
+# The uninterrupted run each resumed one must equal: one device at 16 x 2 micro-batches (and each run of
+# one process), or 2 processes x 16 (DDP, and every strategy that draws the same dropout masks).
+REFERENCE = {"single": "single", "dataparallel": "single", "ddp-amp": "single"}
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +43,16 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.fixture
 def crashed_ddp(crashed_run):
-    """The folder of the 2-process DDP run that crashed at step 10, its checkpoint step 8's."""
-    output = crashed_run("ddp").output
-    meaning = json.loads((output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))
+    """The folder of the 2-process DDP run that crashed at step 10, its checkpoint step 8's. It took --model
+    auto (conftest's FIRST_RUN): rank 0 alone resolved it, and the checkpoint records what it resolved."""
+    crashed = crashed_run("ddp")
+    meaning = json.loads((crashed.output / "checkpoint" / "meaning.json").read_text(encoding="utf-8"))
     assert meaning["step"] == 8 and meaning["world_size"] == 2 and meaning["global_batch_size"] == 32
     assert meaning["precision"] == "fp32"  # an fp16 checkpoint (a gradient scaler) resumes only into fp16
-    return output
+    assert meaning["model"] == "tiny"
+    if not models.LOCAL_MODEL_DIR.is_dir():
+        assert crashed.process.stderr.count("using the TINY randomly") == 1
+    return crashed.output
 
 
 @pytest.mark.parametrize("strategy", list(RESUMABLE))
@@ -71,41 +76,40 @@ def test_a_resumed_run_with_dropout_ends_like_the_uninterrupted_one(uninterrupte
 
 
 def test_a_checkpoint_resumes_only_where_its_step_means_the_same_samples(tmp_path, crashed_ddp):
+    """3 processes, warm: the step would mean other samples. --model tiny is what the checkpoint's --model
+    auto resolved to, which is what it compares."""
     shutil.copytree(crashed_ddp, tmp_path, dirs_exist_ok=True)
-    # 3 processes: the step would mean other samples. --model auto is resolved once, by rank 0.
-    auto = [argument for argument in RESUME if argument not in ("--model", "tiny")]
-    process = run([BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
-                   "multi-gpu-distributed-cls.py", *auto, "--model", "auto", "--batch-size", "16", "--resume",
-                   "--output-dir", str(tmp_path)], env={"HF_HUB_OFFLINE": "1"}, check=False)
+    process = warm.run([BIN / "torchrun", "--nproc_per_node", "3", "--master_port", free_port(),
+                        "multi-gpu-distributed-cls.py", *RESUME, "--batch-size", "16", "--resume",
+                        "--output-dir", str(tmp_path)], check=False)
     assert process.returncode != 0
     errors = [line for line in process.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: --resume: the checkpoint in {tmp_path / 'checkpoint'} was written with world_size 2 "
                       "(now 3), global_batch_size 32 (now 48): here its step would mean other samples, numbers or "
                       "files. Resume with its settings, or remove it"], process.stderr
-    if not models.LOCAL_MODEL_DIR.is_dir():
-        assert process.stderr.count("using the TINY randomly") == 1
 
 
 def test_a_checkpoint_one_machine_cannot_read_fails_the_job_in_one_line(tmp_path, crashed_ddp):
-    """Two 'machines' of one process each, without a shared --output-dir: only rank 0's has the checkpoint."""
+    """Two 'machines' of one process each, without a shared --output-dir: only rank 0's has the checkpoint.
+    Warm, each rank with what `torchrun --nnodes 2 --node_rank N --nproc_per_node 1` gives it (the
+    launcher is not the point: test_several_machines.py starts two machines' launchers)."""
     shutil.copytree(crashed_ddp, tmp_path / "node0")
     port = free_port()
-    nodes = [subprocess.Popen([BIN / "torchrun", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-                               "--master_addr", "127.0.0.1", "--master_port", port, "multi-gpu-distributed-cls.py",
-                               *RESUME, "--batch-size", "16", "--threads", "1", "--resume",
-                               "--output-dir", str(tmp_path / f"node{node}")],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert all(node.returncode != 0 for node in nodes)
-    stderr = outputs[0][1]
-    assert "error: --resume: rank 0 found a checkpoint" in stderr
-    assert "--output-dir must be on a filesystem every machine shares" in stderr
-    assert "error: --resume" not in outputs[1][1]  # rank 0 speaks for all
+
+    def machine(node):
+        environment = {**warm.torchrun_environment(node, 2, port), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2"}
+        (logs := tmp_path / f"logs{node}").mkdir()
+        ranks, _ = warm.start_and_wait(["multi-gpu-distributed-cls.py", *RESUME, "--batch-size", "16", "--threads",
+                                        "1", "--resume", "--output-dir", str(tmp_path / f"node{node}")],
+                                       [environment], None, logs, timeout=300)
+        return ranks[0]
+    with concurrent.futures.ThreadPoolExecutor(2) as machines:
+        (code0, _, stderr0), (code1, _, stderr1) = machines.map(machine, (0, 1))
+    assert code0 != 0 and code1 != 0
+    assert "error: --resume: rank 0 found a checkpoint" in stderr0
+    assert "--output-dir must be on a filesystem every machine shares" in stderr0
+    assert "error: --resume" not in stderr1  # rank 0 speaks for all
 
 
 @pytest.mark.parametrize("damaged", [checkpoints.CHECKPOINT_FILE, checkpoints.MEANING_FILE])
