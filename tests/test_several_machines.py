@@ -112,6 +112,7 @@ def test_tasks_per_node_expand():
 
 CLUSTER = ROOT / "scripts" / "cluster.sh"
 STATE_DIR = Path("/tmp/distributed-nlp-test-cluster")  # scripts/cluster.sh's; node-local differs per node
+ENDED = STATE_DIR / "ended"  # a file per job that ended, named by its id: slurm.conf's EpilogSlurmctld writes it
 INTERFACE = "cluster0"  # the veth end in each node
 # 2 nodes x 1 process x batch 16: the global batch 32 of one device. One thread each: the two
 # "machines" share this one's cores.
@@ -129,21 +130,23 @@ def cluster():
         pytest.skip("the 2-node cluster needs root (network namespaces, Slurm daemons): run the tests as root")
     try:
         run(["bash", str(CLUSTER), "up"], timeout=600)
+        assert ENDED.is_dir(), "a cluster of an older scripts/cluster.sh is up: scripts/cluster.sh down, then again"
         yield
     finally:
         run(["bash", str(CLUSTER), "down"], timeout=120)
 
 
 class Job:
-    """A batch job on the cluster, polled twice a second: `sbatch --wait` polls at growing intervals,
-    up to several seconds, which every test would wait out."""
+    """A batch job on the cluster. `sbatch --wait` polls at growing intervals, up to several seconds,
+    which every test would wait out; scontrol twice a second would start ~700 processes in this file.
+    Slurm itself marks the end (ENDED), which this polls: scontrol is asked only then."""
 
     def __init__(self, job_id, log):
         self.id, self.log, self.returncode = job_id, log, None
 
     def poll(self):
         """None while the job runs, then its exit code (non-zero too when Slurm ended it)."""
-        if self.returncode is None:
+        if self.returncode is None and (ENDED / self.id).exists():
             shown = slurm("scontrol", "--oneliner", "show", "job", self.id)
             fields = dict(field.split("=", 1) for field in shown.split() if "=" in field)
             if fields["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
@@ -155,7 +158,7 @@ class Job:
         deadline = time.monotonic() + timeout
         while self.poll() is None:
             assert time.monotonic() < deadline, f"job {self.id} still runs after {timeout} s"
-            time.sleep(0.5)
+            time.sleep(0.1)
         return self.returncode
 
 
