@@ -18,7 +18,7 @@ import torch
 
 from support import checkpoints, cli, launch, machine
 from conftest import (EXACT, DEV_SAMPLES, PYTHON, ROOT, SMALL, assert_same_weights, processes_mentioning,
-                      read_result, run)
+                      read_result, run, run_here)
 
 SLURM_TASK = {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
               "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_TASKS_PER_NODE": "2,1",
@@ -261,7 +261,8 @@ TWO_EPOCHS = ["--epochs", "2", "--dist-timeout", "60"]
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     output = tmp_path_factory.mktemp("uninterrupted")
-    run([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--epochs", "2", "--threads", "1", "--output-dir", str(output)])
+    run_here([PYTHON, "single-gpu-cls.py", *SMALL, *EXACT, "--epochs", "2", "--threads", "1",
+              "--output-dir", str(output)])
     return output
 
 
