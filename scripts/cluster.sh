@@ -67,6 +67,10 @@ create_network() {
 start_daemons() {
     mkdir -p "$STATE_DIR/munge" "$STATE_DIR/slurmctld" "$STATE_DIR/node-local"
     for node in "${NODES[@]}"; do mkdir -p "$STATE_DIR/$node" "$STATE_DIR/$node-local"; done
+    # slurmctld runs it as each job ends (slurm.conf's EpilogSlurmctld): $STATE_DIR/ended/<job id>.
+    mkdir -p "$STATE_DIR/ended"
+    printf '#!/bin/sh\ntouch "%s/ended/$SLURM_JOB_ID"\n' "$STATE_DIR" >"$STATE_DIR/job-ended.sh"
+    chmod 755 "$STATE_DIR/job-ended.sh"
     # The cluster's own munge key: a job is only accepted from this cluster's own daemons.
     (umask 077 && head -c 1024 /dev/urandom >"$STATE_DIR/munge/munge.key")
     munged --force --socket="$STATE_DIR/munge/munge.socket" --key-file="$STATE_DIR/munge/munge.key" \
