@@ -9,6 +9,8 @@ import sys
 import time
 import traceback
 
+from tqdm import tqdm
+
 from . import folder, launch
 from .errors import UserError, describe, first_cause
 from .launch import current_rank
@@ -59,8 +61,9 @@ def run(main):
 
 def report(line):
     """The failure's one line on stderr, and for torchrun (and the launchers built on it) in the error
-    file it names: its closing summary then repeats the line instead of a link to its docs."""
-    print(line, file=sys.stderr)
+    file it names: its closing summary then repeats the line instead of a link to its docs. Written as tqdm
+    writes: a progress bar still open is cleared first, so the line starts a line of its own."""
+    tqdm.write(line, file=sys.stderr)
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as file:
             json.dump({"message": line, "timestamp": int(time.time())}, file)
