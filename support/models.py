@@ -213,6 +213,9 @@ def compile_options(args, strategy):
                             "hooks between the compiled kernels, which recorded CUDA graphs would not follow; "
                             "CUDA graphs run with single-gpu-cls.py and the DDP scripts")
     static = args.compile_dynamic == "static"
+    # Python floats (dropout, the attention scale) as constants: left symbolic, dynamic shapes would trace
+    # the model twice, the first time only to learn that inductor cannot take them as inputs.
+    torch._dynamo.config.specialize_float = True
     if not static or strategy.world_size == 1:
         # DDP's graph splitter (a graph per gradient bucket) with dynamic shapes fails in torch 2.11's
         # inductor ("expected [s16] to have been codegen-ed", BERT-base on GPU and CPU alike): one whole

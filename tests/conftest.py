@@ -310,7 +310,8 @@ def ddp_run(tmp_path_factory):
 ACCUMULATING = {
     "dataparallel": lambda: [PYTHON, "multi-gpu-dataparallel-cls.py", "--batch-size", "16"],
     "ddp-spawn": lambda: [PYTHON, "multi-gpu-distributed-mp-cls.py", "--nprocs", "2", "--batch-size", "8"],
-    # Compiled too: test_compile.py reads it (torch.compile under DDP's no_sync and a short last step).
+    # Compiled too: test_compile.py reads it (torch.compile under DDP's no_sync and a short last step, each
+    # graph traced once: tests/hooks.py counts the traces).
     "ddp-amp": lambda: [PYTHON, "multi-gpu-distributed-mp-amp-cls.py", "--nprocs", "2", "--batch-size", "8",
                         "--precision", "fp32", "--compile"],
     "horovod": lambda: [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "120",
@@ -330,9 +331,11 @@ def accumulating_run(tmp_path_factory):
             require(NEEDS[strategy])
 
         def launch(output):
+            import hooks
             command = [*ACCUMULATING[strategy](), *SMALL, *EXACT, "--grad-accum", "2", "--output-dir", str(output)]
+            env = {hooks.COUNT_TRACES_ENV: "1"} if "--compile" in command else {}
             # DataParallel's warm (tests/warm.py): its crashed run launches `python` (test_native.py).
-            return (warm.run if strategy == "dataparallel" else run)(command), output
+            return (warm.run if strategy == "dataparallel" else run)(command, env=env), output
         return once_per_session(tmp_path_factory, f"accumulating-{strategy}", launch)
     return get
 

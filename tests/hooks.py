@@ -2,8 +2,9 @@
 sets it for every run a test starts) and switched on by their own variables: a failure injected at a
 given step, to check that a failing rank ends the whole job and that --resume continues where a crash
 left off; steps slowed down after a given one, so that a signal sent then lands during training;
-DDP's gradient all-reduces counted, to check that gradient accumulation all-reduces once per step; and
-bytes wasted on purpose, to check that the byte checks catch a strategy sending more than it should."""
+DDP's gradient all-reduces counted, to check that gradient accumulation all-reduces once per step;
+dynamo's traces counted, to check that each graph is traced once; and bytes wasted on purpose, to
+check that the byte checks catch a strategy sending more than it should."""
 import contextlib
 import os
 import time
@@ -13,6 +14,7 @@ from instruments import measure
 FAIL_AT_ENV = "SUITE_FAIL_AT"  # "RANK:STEP": that rank fails right after that optimizer step
 SLOW_AFTER_ENV = "SUITE_SLOW_AFTER"  # "STEP": rank 0 says "slow from here", then every step takes a second more
 COUNT_ALLREDUCES_ENV = "SUITE_COUNT_ALLREDUCES"  # count DDP's gradient all-reduces (result.json: gradient_allreduces)
+COUNT_TRACES_ENV = "SUITE_COUNT_TRACES"  # count dynamo's traces and frames (result.json: compile_traces)
 WASTE_ENV = "SUITE_WASTE"  # "broadcast": a stray broadcast each step; "sync": accumulation that syncs every micro-batch
 
 
@@ -21,6 +23,7 @@ def callbacks():
     asked = [InjectedFailure()] if os.environ.get(FAIL_AT_ENV) else []
     asked += [SlowSteps(int(os.environ[SLOW_AFTER_ENV]))] if os.environ.get(SLOW_AFTER_ENV) else []
     asked += [GradientAllReduceCount()] if os.environ.get(COUNT_ALLREDUCES_ENV) else []
+    asked += [CompileTraces()] if os.environ.get(COUNT_TRACES_ENV) else []
     waste = os.environ.get(WASTE_ENV, "").split(",")
     asked += [SyncEveryMicroBatch()] if "sync" in waste else []
     return asked + ([StrayBroadcast()] if "broadcast" in waste else [])
@@ -93,3 +96,14 @@ class GradientAllReduceCount(measure.Callback):
     def on_result(self, trainer, result):
         if self.calls is not None:
             result["gradient_allreduces"] = self.calls
+
+
+class CompileTraces(measure.Callback):
+    """How often dynamo traced the model against the frames it compiled: a trace it restarts (to retry
+    with some values made constants) is a second one, which a compile that knows them from the start saves."""
+
+    def on_result(self, trainer, result):
+        from torch._dynamo.utils import compilation_time_metrics, counters
+        traces = sum(len(times) for name, times in compilation_time_metrics.items()
+                     if name.startswith("compile_attempt_"))
+        result["compile_traces"] = {"traces": traces, "frames": counters["frames"]["ok"]}
