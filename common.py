@@ -447,10 +447,11 @@ class Trainer(Run):
                     for part in (indices, weights, predictions, labels, losses)]
         indices, predictions, labels, losses = each_sample_once(*gathered)
         check_every_dev_sample(indices, len(self.dev_loader.dataset))
-        # Every process scores, though only rank 0 reports: a DDP process that left right after the
-        # gather could free its gloo group while gloo's thread still waits for the GIL to free the
-        # gather's tensors, and hang at exit.
-        return dev_metrics(predictions, labels, losses)
+        # Rank 0 scores and shares the metrics: the other processes skip sklearn's import, and wait for them
+        # rather than leave right after the gather, which could free a gloo group while gloo's thread still
+        # waits for the GIL to free the gather's tensors, and hang at exit.
+        metrics = dev_metrics(predictions, labels, losses) if self.strategy.is_main else None
+        return self.strategy.broadcast_object(metrics)
 
     def forward(self, batch):
         """Logits, and this process's part of the global batch's mean loss (weighted_loss)."""

@@ -117,7 +117,7 @@ def train_evaluate_save(run, training_args, data):
     #    logged loss over the processes. Its callbacks print the suite's lines and measure.
     trainer = transformers_setup.SuiteTrainer(
         run, model=data.model, args=training_args, train_dataset=data.train_set, eval_dataset=data.dev_set,
-        compute_metrics=functools.partial(transformers_setup.dev_metrics, dev_size=len(data.dev_set)))
+        compute_metrics=functools.partial(transformers_setup.dev_metrics, run))
     trainer.train()
 
     # [evaluate] Trainer.evaluate runs the dev loader, gathers the logits (and our index and weight) from

@@ -239,8 +239,9 @@ class SuiteTrainer(Trainer):
         return loss
 
 
-def dev_metrics(prediction, dev_size):
-    """compute_metrics: the suite's dev metrics (common.dev_metrics) over every dev sample once.
+def dev_metrics(run, prediction):
+    """compute_metrics: the suite's dev metrics (common.dev_metrics) over every dev sample once, scored by
+    rank 0 and shared, as common.Trainer.evaluate does.
 
     `prediction.predictions` holds every process's logits, dataset indices and weights, gathered by
     the Trainer batch by batch. Its gather_for_metrics drops the repeats only of loaders Accelerate
@@ -250,8 +251,9 @@ def dev_metrics(prediction, dev_size):
     losses = F.cross_entropy(torch.from_numpy(logits).float(), torch.from_numpy(prediction.label_ids),
                              reduction="none").numpy()
     indices, logits, labels, losses = common.each_sample_once(indices, weights, logits, prediction.label_ids, losses)
-    common.check_every_dev_sample(indices, dev_size)
-    metrics = common.dev_metrics(logits.argmax(axis=-1), labels, losses)
+    common.check_every_dev_sample(indices, len(run.dev_loader.dataset))
+    metrics = common.dev_metrics(logits.argmax(axis=-1), labels, losses) if run.strategy.is_main else None
+    metrics = run.strategy.broadcast_object(metrics)
     metrics["dev_loss"] = metrics.pop("loss")  # the Trainer writes its own eval_loss over this one
     return metrics
 

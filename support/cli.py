@@ -20,6 +20,9 @@ def run(main):
     """Run `main()`, turning failures into one clear line on stderr and a non-zero exit; in a script that
     runs in a group (launch.in_a_group), after checking its launch variables."""
     import torch.distributed as dist  # its rendezvous errors, its group; every script has imported torch already
+    # What the script has imported (torch, transformers: some 200,000 objects) lives as long as the process:
+    # frozen, it is no longer walked by each full garbage collection, which a launch's imports keep starting.
+    gc.freeze()
     # SIGTERM and SIGUSR1 (a scheduler or launcher stopping the job) unwind like Ctrl-C, once: cleanup code
     # runs (--save-on-signal's handler takes over while training). A launched process stops with its launcher.
     for number in launch.STOP_SIGNALS:
@@ -57,6 +60,8 @@ def run(main):
         # freeing it then aborts the process about one run in five ("terminate called without an
         # active exception"): free it now.
         gc.collect()
+        # What is left lives to the exit, whose collections would walk it all again: over a second of CPU.
+        gc.freeze()
 
 
 def report(line):

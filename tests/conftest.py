@@ -1,6 +1,7 @@
 """Helpers shared by the tests: run a script the way a user would, read what it wrote."""
 import collections
 import contextlib
+import gc
 import importlib.util
 import io
 import json
@@ -127,6 +128,7 @@ def run_in_process(command, env=None):
         os.chdir(cwd)
         for number, handler in handlers.items():  # cli.run installs its own
             signal.signal(number, handler)
+        gc.unfreeze()  # cli.run froze what it found (gc.freeze): this interpreter goes on and collects it
         if threads:
             sys.modules["torch"].set_num_threads(threads)
     return subprocess.CompletedProcess(command, returncode, stdout.getvalue(), stderr.getvalue())
