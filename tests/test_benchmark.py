@@ -423,8 +423,8 @@ def test_every_launch_line_and_the_options_each_row_gets():
 
 def test_across_nodes_each_row_runs_its_batch_file_on_the_first_nodes_of_the_job(monkeypatch):
     """slurm/benchmark.sbatch on 2 nodes with --nnodes 1,2: a row's batch file sees a job of that many
-    nodes, one task per node for a launcher per node, one per process for Horovod's srun (the whole
-    comparison runs on tests/test_several_machines.py's cluster)."""
+    nodes, one task per node for a launcher per node, one per process for Horovod's srun (a row per
+    launcher runs on tests/test_several_machines.py's cluster)."""
     monkeypatch.setattr(options, "job_hosts", lambda option: ["gpu07", "gpu08"])
     args = options.parse_args(["--only", "single,dataparallel,ddp", "--nnodes", "1,2", "--nprocs", "4"], gpus=0)
     assert [cell["row"] for cell in options.plan(args, gpus=0)] == [
