@@ -4,6 +4,7 @@ only into a run where its step means the same samples, and only where every proc
 import argparse
 import concurrent.futures
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -100,9 +101,9 @@ def test_a_checkpoint_one_machine_cannot_read_fails_the_job_in_one_line(tmp_path
         environment = {**warm.torchrun_environment(node, 2, port), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                        "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2"}
         (logs := tmp_path / f"logs{node}").mkdir()
-        ranks, _ = warm.start_and_wait(["multi-gpu-distributed-cls.py", *RESUME, "--batch-size", "16", "--threads",
-                                        "1", "--resume", "--output-dir", str(tmp_path / f"node{node}")],
-                                       [environment], None, logs, timeout=300)
+        script = ["multi-gpu-distributed-cls.py", *RESUME, "--batch-size", "16", "--threads", "1", "--resume",
+                  "--output-dir", str(tmp_path / f"node{node}")]
+        ranks, _ = warm.start_and_wait([(script, environment)], dict(os.environ), logs, timeout=300)
         return ranks[0]
     with concurrent.futures.ThreadPoolExecutor(2) as machines:
         (code0, _, stderr0), (code1, _, stderr1) = machines.map(machine, (0, 1))
