@@ -12,12 +12,14 @@ from conftest import BIN, PYTHON, free_port, require, run
 
 # A rank that writes its environment and argv to a file, and then does what SUITE_WARM_RANK_<rank> says.
 SCRIPT = """
-import json, os, sys, time
+import json, os, signal, sys, time
 rank = os.environ.get("RANK", "0")
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"rank-{rank}.json"), "w") as file:
     json.dump({"environment": dict(os.environ), "argv": sys.argv, "pid": os.getpid()}, file)
 action = os.environ.get(f"SUITE_WARM_RANK_{rank}", "")
-if action == "sleep":
+if action == "stuck":  # as a rank stuck in C++ code is to SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if action in ("sleep", "stuck"):
     time.sleep(600)
 if action == "fail":
     raise RuntimeError("rank failed on purpose")
@@ -92,6 +94,14 @@ def test_a_hang_is_killed_at_the_timeout(tmp_path, rank_script):
     assert time.monotonic() - started < 30
     pids = [json.loads((tmp_path / f"rank-{rank}.json").read_text())["pid"] for rank in (0, 1)]
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+def test_a_rank_that_outlives_the_grace_after_a_failure_fails_the_run_and_is_named(tmp_path, rank_script, monkeypatch):
+    """check=False accepts a failing rank, never one that had to be killed: that is a hang at exit."""
+    monkeypatch.setattr(warm, "GRACE_SECONDS", 1)
+    with pytest.raises(pytest.fail.Exception, match=r"rank 1 exited 3; ranks \[0\] still ran 1 s after SIGTERM"):
+        warm.run([BIN / "torchrun", "--nproc_per_node", "2", tmp_path / "rank.py"], check=False,
+                 env={"SUITE_WARM_RANK_0": "stuck", "SUITE_WARM_RANK_1": "exit"})
 
 
 def test_what_it_cannot_give_is_refused():

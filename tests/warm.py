@@ -199,14 +199,18 @@ def stop(processes, number):
 
 def wait(processes, timeout):
     """Wait for every rank; once one fails, stop the others as torchrun does. Returns what went wrong (None,
-    "rank N exited C", "still ran after T s") and the rank that failed first (None)."""
+    "rank N exited C", "still ran after T s", "rank N exited C; ranks [M] still ran G s after SIGTERM") and the
+    rank that failed first (None)."""
     deadline, problem, first = time.monotonic() + timeout, None, None
     waiting = {process.sentinel: process for process in processes}
     while waiting:
         ready = multiprocessing.connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             stop(processes, signal.SIGKILL)
-            problem, deadline = f"still ran after {timeout} s", time.monotonic() + 30
+            running = sorted(processes.index(process) for process in waiting.values())
+            problem = (f"still ran after {timeout} s" if first is None
+                       else f"{problem}; ranks {running} still ran {GRACE_SECONDS} s after SIGTERM")
+            deadline = time.monotonic() + 30
             continue
         for sentinel in ready:
             process = waiting.pop(sentinel)
@@ -233,7 +237,7 @@ def run(command, timeout=600, env=None, check=True):
     completed = subprocess.CompletedProcess(list(map(str, command)), 0 if first is None else ended[first][0],
                                             "".join(out for _, out, _ in ended), "".join(err for _, _, err in ended))
     completed.ranks = ended
-    if problem and (check or problem.startswith("still ran")):
+    if problem and (check or "still ran" in problem):
         import pytest
         pytest.fail(f"warm: {' '.join(completed.args)} {problem}\n--- stdout\n{completed.stdout[-4000:]}\n"
                     f"--- stderr\n{completed.stderr[-4000:]}")
