@@ -1,5 +1,6 @@
 """How a script runs: its failures reach the user as one line and an exit status; its process group and the
 output folder's lock are let go on every exit path. Its options are options.py's, its launch environment launch.py's."""
+import atexit
 import contextlib
 import gc
 import json
@@ -53,8 +54,12 @@ def run(main):
         report(f"error: rank {current_rank()} failed: {describe(first_cause(error))}")
         sys.exit(1)
     finally:
+        # The process is leaving, with its own status: a stop signal now (a launcher stopping the ranks after
+        # another failed) changes nothing, and cuts no clean-up short, this or the exit functions'.
+        for number in launch.STOP_SIGNALS:
+            signal.signal(number, launch.stopping_already)
         if dist.is_initialized():  # leave the group on every exit path, failures included: no peer is left waiting
-            dist.destroy_process_group()
+            leave_the_group(dist)
         folder.release_output_dir()
         # A destroyed gloo group can linger in a reference cycle until the interpreter shuts down, and
         # freeing it then aborts the process about one run in five ("terminate called without an
@@ -62,6 +67,16 @@ def run(main):
         gc.collect()
         # What is left lives to the exit, whose collections would walk it all again: over a second of CPU.
         gc.freeze()
+
+
+def leave_the_group(dist):
+    """Destroy the process group, keeping its own handle until the interpreter's exit functions run (atexit),
+    so that the handle, not the DDP reducer, frees it last. Gloo's worker threads free a collective's tensors
+    under the GIL, and may not have yet; freeing the group joins them. The reducer frees it holding the GIL
+    (with the model, when a failure's traceback lets go of it): a deadlock. The handle lets go of the GIL."""
+    handle = [dist.group.WORLD]
+    dist.destroy_process_group()
+    atexit.register(handle.clear)
 
 
 def report(line):

@@ -183,6 +183,27 @@ def test_a_second_stop_signal_cuts_no_clean_up_short():
     assert exit.value.code == 130 and len(cleaned) == 1
 
 
+def test_a_stop_signal_once_the_run_has_ended_leaves_its_exit_status_as_it_is():
+    """A rank whose peer failed first gets its launcher's SIGTERM while it leaves. In its exit functions (where
+    the group's handle frees the group, joining gloo's threads) it raised KeyboardInterrupt: a traceback after
+    the refusal's one line, and another exit status (seen in 2 of 50 warm 3-process refusals)."""
+    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+
+    def main():
+        raise cli.UserError("refused")
+    try:
+        with pytest.raises(SystemExit) as exit:
+            cli.run(main)
+        try:
+            signal.raise_signal(signal.SIGTERM)  # as the exit functions run
+        except KeyboardInterrupt:
+            pytest.fail("the stop signal unwound a process that had ended")
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    assert exit.value.code == cli.UserError("").status
+
+
 def test_a_rank_that_outlives_the_stop_is_named_when_killed(capsys):
     """The spawn script's parent gives its ranks 30 s after SIGTERM, as torchrun does; one it then kills
     hung, and the parent says so."""
@@ -343,6 +364,41 @@ def test_an_error_deriving_from_base_exception_still_ends_in_one_error_line(caps
     assert exit.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: rank 0 failed: OSError: [Errno 5] I/O error")
+
+
+def test_a_failed_run_leaves_its_group_to_be_freed_by_the_groups_handle_at_exit_not_by_the_model(monkeypatch):
+    """A failure's traceback holds the model; freed with it, the DDP reducer freed the gloo group holding
+    the GIL, while a gloo thread waited for the GIL to free the last collective's tensor: a hang, once in
+    seven warm 3-process refusals on 2 busy cores. The group's own handle frees it without the GIL: cli.run
+    keeps it until the exit functions run. (One process, in this interpreter.)"""
+    import atexit
+    import gc
+    import weakref
+    import torch
+    import torch.distributed as dist
+    import torch._dynamo  # noqa: F401  as the scripts' transformers does: without it, DDP holds the group longer
+    exit_functions, handlers = [], {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    monkeypatch.setattr(atexit, "register", exit_functions.append)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    group = weakref.ref(dist.group.WORLD)
+
+    def main():
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        dist.all_reduce(torch.ones(1))
+        raise cli.UserError(f"refused beside {model}")
+    try:
+        cli.run(main)
+    except SystemExit as exit:
+        assert exit.code != 0
+    finally:
+        gc.unfreeze()  # cli.run froze what it found, and installed its handlers
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    gc.collect()  # the traceback, the model and its reducer are gone
+    assert not dist.is_initialized() and group() is not None
+    for function in exit_functions:
+        function()
+    assert group() is None
 
 
 
