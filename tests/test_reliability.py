@@ -401,8 +401,6 @@ def test_a_failed_run_leaves_its_group_to_be_freed_by_the_groups_handle_at_exit_
     assert group() is None
 
 
-
-
 def test_the_next_run_in_a_folder_clears_the_staging_of_dead_runs(tmp_path):
     """What saves killed mid-write (SIGKILL) left beside their targets, 316 MB a checkpoint at base-shape,
     goes with the next run into the folder; the staging of a process still running stays. A folder set
